@@ -1,0 +1,298 @@
+"""The training step: packed micro-batches, gradient accumulation, AdamW with warm-up.
+
+No I/O except loading a model directory; the runtime decides what to train on and where the
+result goes. One call of :meth:`PolicyTrainer.train_step` is one GRPO step on a batch of
+:class:`~services.learner.packing.TrainSequence`:
+
+1. The batch is split into ``updates_per_step`` mini-batches (one optimizer update each;
+   default 1, as in rStar2-Agent), each packed into micro-batches of at most
+   ``micro_batch_tokens`` tokens (:mod:`services.learner.packing`).
+2. Decoupled objective with more than one update: a no-grad pass over every micro-batch records
+   the proximal log-probabilities (the weights before the step). With a single update the
+   proximal policy *is* the current weights at gradient time, so the detached log-probabilities
+   of the training forward are used and the extra pass is skipped (same numbers, one pass
+   fewer); ``force_proximal_pass`` runs it anyway (benchmarks).
+3. For each micro-batch: the decoder runs on the packed rows (bf16 autocast on GPUs, fp32 on
+   CPU), the output layer runs on the loss tokens only, in chunks
+   (:mod:`services.learner.logprobs`), the loss (:mod:`services.learner.loss`) is divided by
+   the mini-batch's total loss-token count (token-mean) and back-propagated — accumulated
+   gradients equal those of one large batch.
+4. Gradient-norm clipping, AdamW step; the LR schedule advances once per train step: linear
+   warm-up over ``warmup_steps`` then constant (RL) or cosine decay to
+   ``min_lr_ratio · lr`` over ``total_steps`` (SFT).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from services.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
+from services.learner.loss import LossConfig, LossStats, policy_loss, sft_loss
+from services.learner.packing import MicroBatch, TrainSequence, pack
+
+Schedule = Literal["constant", "cosine"]
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 20
+    schedule: Schedule = "constant"
+    total_steps: int = 0  # cosine only
+    min_lr_ratio: float = 0.1  # cosine floor
+    # AdamW β/ε of PyTorch's defaults; weight decay 0.01 as verl's actor optimizer.
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192
+    row_tokens: int = 0
+    logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    updates_per_step: int = 1
+    force_proximal_pass: bool = False
+    gradient_checkpointing: bool = False
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.warmup_steps < 0 or self.grad_clip <= 0:
+            raise ValueError("lr and grad_clip must be > 0, warmup_steps ≥ 0")
+        if self.updates_per_step < 1:
+            raise ValueError("updates_per_step must be ≥ 1")
+        if self.schedule == "cosine" and self.total_steps <= 0:
+            raise ValueError("the cosine schedule needs total_steps > 0")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first GPU (CUDA or ROCm — both appear as ``cuda`` in torch), else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but torch sees no GPU")
+    return dev
+
+
+def load_model(model_dir: str | Path, device: torch.device, *, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """An HF causal LM in fp32 (master weights; autocast gives bf16 compute on GPUs)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def lr_factor(step: int, cfg: TrainerConfig) -> float:
+    """Multiplier of ``cfg.lr`` for the ``step``-th update (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    per_sequence_loss_tokens: list[int]
+
+
+class PolicyTrainer:
+    """Owns the model, the optimizer and the LR schedule; trains on batches of sequences."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, pad_id: int = 0) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.device = next(model.parameters()).device
+        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        self.body = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        if getattr(self.head, "bias", None) is not None:
+            raise ValueError("output layers with a bias are not supported")
+        self.steps_done = 0
+        self.optimizer_resets = 0
+        self._build_optimizer()
+
+    # ------------------------------------------------------------------ optimizer
+    def _build_optimizer(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        kwargs: dict[str, Any] = dict(lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps,
+                                      weight_decay=self.cfg.weight_decay)
+        if self.device.type == "cuda":
+            kwargs["fused"] = True
+        self.optimizer = torch.optim.AdamW(params, **kwargs)
+        self._sched_offset = self.steps_done
+        self._apply_lr()
+
+    def reset_optimizer(self) -> None:
+        """Forget the AdamW moments and restart the warm-up (curriculum stage 3)."""
+        self._build_optimizer()
+        self.optimizer_resets += 1
+
+    def current_lr(self) -> float:
+        return self.cfg.lr * lr_factor(self.steps_done - self._sched_offset, self.cfg)
+
+    def _apply_lr(self) -> None:
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "steps_done": self.steps_done,
+            "sched_offset": self._sched_offset,
+            "optimizer_resets": self.optimizer_resets,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = int(state["steps_done"])
+        self._sched_offset = int(state["sched_offset"])
+        self.optimizer_resets = int(state.get("optimizer_resets", 0))
+        self._apply_lr()
+
+    # ------------------------------------------------------------------ forward
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def forward_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π(target) per loss token, entropy per loss token) for one micro-batch."""
+        ids = torch.tensor(mb.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(mb.position_ids, dtype=torch.long, device=self.device)
+        with self._autocast():
+            hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        index = torch.tensor(mb.pred_index, dtype=torch.long, device=self.device)
+        targets = torch.tensor(mb.targets, dtype=torch.long, device=self.device)
+        return chunked_token_logprobs(flat.index_select(0, index), self.head.weight, targets,
+                                      self.cfg.logits_chunk_tokens)
+
+    def _split_updates(self, sequences: list[TrainSequence]) -> list[list[TrainSequence]]:
+        k = min(self.cfg.updates_per_step, len(sequences))
+        return [sequences[i::k] for i in range(k)]
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, sequences: list[TrainSequence]) -> StepResult:
+        """One GRPO step on these sequences (each carries its advantage and behaviour logprobs)."""
+        if not sequences:
+            raise ValueError("train_step needs at least one sequence")
+        if any(s.behaviour_logprobs is None for s in sequences):
+            raise ValueError("RL sequences need behaviour logprobs")
+        t0 = time.perf_counter()
+        loss_cfg = self.cfg.loss
+        updates = [pack(batch, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens)
+                   for batch in self._split_updates(sequences)]
+        need_pass = loss_cfg.needs_proximal and (len(updates) > 1 or self.cfg.force_proximal_pass)
+        prox: dict[int, torch.Tensor] = {}
+        if need_pass:
+            with torch.no_grad():
+                for mb in (mb for u in updates for mb in u):
+                    prox[id(mb)] = self.forward_logprobs(mb)[0]
+        t_prox = time.perf_counter() - t0
+
+        stats = LossStats()
+        entropy_sum = 0.0
+        grad_norms: list[float] = []
+        tokens = 0
+        for micro_batches in updates:
+            total_loss_tokens = sum(mb.n_loss_tokens for mb in micro_batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in micro_batches:
+                tokens += mb.n_tokens
+                if mb.n_loss_tokens == 0:
+                    continue
+                logp, entropy = self.forward_logprobs(mb)
+                behav = torch.tensor(mb.behaviour, dtype=torch.float32, device=self.device)
+                adv = torch.tensor(mb.advantages, dtype=torch.float32, device=self.device)
+                mask = torch.ones_like(adv)
+                logp_prox = prox.get(id(mb), logp.detach()) if loss_cfg.needs_proximal else None
+                loss, mb_stats = policy_loss(logp, logp_prox, behav, adv, mask, config=loss_cfg,
+                                             num_tokens=total_loss_tokens)
+                loss.backward()
+                stats.add(mb_stats)
+                entropy_sum += float(entropy.sum().item())
+            grad_norms.append(self._clip_and_step())
+        self.steps_done += 1
+        self._apply_lr()
+        elapsed = time.perf_counter() - t0
+        metrics = stats.means()
+        metrics.update(
+            entropy=entropy_sum / max(stats.tokens, 1.0),
+            grad_norm=max(grad_norms),
+            loss_tokens=stats.tokens,
+            tokens=float(tokens),
+            seconds=elapsed,
+            proximal_pass_seconds=t_prox if need_pass else 0.0,
+            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            lr=self.optimizer.param_groups[0]["lr"],
+            updates=float(len(updates)),
+            micro_batches=float(sum(len(u) for u in updates)),
+        )
+        return StepResult(metrics=metrics, per_sequence_loss_tokens=[s.n_loss_tokens for s in sequences])
+
+    def sft_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
+        """One supervised step: token-mean NLL on the loss-masked tokens."""
+        t0 = time.perf_counter()
+        micro_batches = pack(sequences, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens)
+        total = sum(mb.n_loss_tokens for mb in micro_batches)
+        if total == 0:
+            raise ValueError("SFT batch has no loss tokens")
+        self.optimizer.zero_grad(set_to_none=True)
+        nll_sum = 0.0
+        tokens = 0
+        for mb in micro_batches:
+            tokens += mb.n_tokens
+            if mb.n_loss_tokens == 0:
+                continue
+            logp, _ = self.forward_logprobs(mb)
+            loss, nll = sft_loss(logp, torch.ones_like(logp), num_tokens=total)
+            loss.backward()
+            nll_sum += nll
+        grad_norm = self._clip_and_step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.steps_done += 1
+        self._apply_lr()
+        elapsed = time.perf_counter() - t0
+        return {"loss": nll_sum / total, "grad_norm": grad_norm, "tokens": float(tokens), "loss_tokens": float(total),
+                "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "lr": lr}
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        norm_f = float(norm.item())
+        if not math.isfinite(norm_f):
+            # A non-finite gradient would poison the AdamW moments for good: skip the update.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {norm_f}; update skipped")
+        self.optimizer.step()
+        return norm_f
+
+    @torch.no_grad()
+    def sequence_logprobs(self, sequences: list[TrainSequence]) -> list[list[float]]:
+        """Current-policy logprob of every loss token of each sequence (tests, diagnostics)."""
+        out: list[list[float]] = [[] for _ in sequences]
+        for mb in pack(sequences, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens):
+            if mb.n_loss_tokens == 0:
+                continue
+            logp, _ = self.forward_logprobs(mb)
+            for s, v in zip(mb.seq_of_token, logp.tolist()):
+                out[s].append(v)
+        return out
