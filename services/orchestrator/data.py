@@ -1,0 +1,395 @@
+"""Problem sets: loading integer-answer datasets and generating tool-friendly problems.
+
+Pure data code (file reading only, no broker or database). Two sources of :class:`Problem`:
+
+Loaded problem sets (``load_problems``)
+    JSONL (one JSON object a line) or Parquet files in the DAPO-Math style: a ``prompt`` (the
+    problem text; a list of chat messages is accepted too and its last ``user`` message taken),
+    an integer ``answer`` (a JSON integer or a string such as ``"42"`` / ``"-7"``), and an
+    optional ``id`` (string or integer; otherwise the id is a hash of prompt and answer).
+    Every row is validated before anything is returned and *all* bad rows are reported
+    together in one :class:`ProblemSetError` naming the file, the line (JSONL) or row
+    (Parquet, 1-based) and the reason — a run never starts on half a dataset.
+
+Generated problems (``generate_problems`` / ``problem_stream`` / ``make_splits``)
+    Seeded integer-answer problems where running code helps: multi-digit arithmetic
+    ``a*b±c``, modular powers ``a^k mod m``, digit sums of big powers, gcd / lcm, counting
+    primes below ``n``, binomial coefficients ``C(n, k)``. Each carries its ``kind`` and
+    ``params`` so the SFT trace generator can write the code that solves it.
+
+    Train / eval split: each generated problem has a *canonical key* (kind + parameters; the
+    wording does not matter) and belongs to the eval partition iff
+    ``sha256(key) mod EVAL_BUCKETS == 0``. Train streams skip eval-partition problems and
+    eval sets take only them, so the two never overlap — for any seeds and any sizes, also for
+    the unbounded training stream the bootstrap draws fresh problems from. Within one list
+    problems are deduplicated by key. Everything is a function of the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# --------------------------------------------------------------------------- the record
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem: ``answer`` is the decimal string of an integer."""
+
+    problem_id: str
+    prompt: str
+    answer: str
+    # For generated problems: the generator kind and its parameters (what the trace generator
+    # needs to write solving code). None for loaded datasets.
+    kind: str | None = None
+    params: Mapping[str, int] | None = field(default=None, compare=False)
+
+    def to_row(self) -> dict[str, Any]:
+        """The DAPO-style JSONL row (``id``, ``prompt``, ``answer``)."""
+        return {"id": self.problem_id, "prompt": self.prompt, "answer": self.answer}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class RowError:
+    file: str
+    line: int  # JSONL line number or Parquet row number, 1-based
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+class ProblemSetError(ValueError):
+    """A problem set has bad rows (all of them listed in ``errors``) or cannot be read."""
+
+    # At most this many rows are spelled out in the message; all are in ``errors``.
+    MAX_LISTED = 50
+
+    def __init__(self, errors: list[RowError]):
+        self.errors = errors
+        shown = "\n".join(f"  {e}" for e in errors[: self.MAX_LISTED])
+        more = len(errors) - self.MAX_LISTED
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        super().__init__(f"{len(errors)} bad row(s) in problem set:\n{shown}{tail}")
+
+
+def parse_integer_answer(value: Any) -> str:
+    """The canonical decimal string of an integer answer; raises ValueError with the reason."""
+    if isinstance(value, bool):
+        raise ValueError(f"answer must be an integer, got boolean {value!r}")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 2**53:
+            return str(int(value))
+        raise ValueError(f"answer must be an integer, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        body = text[1:] if text[:1] in ("+", "-") else text
+        if body.isascii() and body.isdigit():
+            return str(int(text))
+        raise ValueError(f"answer must be an integer, got {value!r}")
+    if value is None:
+        raise ValueError("missing 'answer'")
+    raise ValueError(f"answer must be an integer, got {type(value).__name__}")
+
+
+def _prompt_text(value: Any) -> str:
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("'prompt' is empty")
+        return value
+    if isinstance(value, list):  # chat messages, as in the original DAPO-Math-17k parquet
+        users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        if not users or not isinstance(users[-1], str) or not users[-1].strip():
+            raise ValueError("'prompt' is a message list without a non-empty user message")
+        return users[-1]
+    if value is None:
+        raise ValueError("missing 'prompt'")
+    raise ValueError(f"'prompt' must be a string or a list of chat messages, got {type(value).__name__}")
+
+
+def _content_id(prompt: str, answer: str) -> str:
+    return "p-" + hashlib.sha256(f"{prompt}\0{answer}".encode()).hexdigest()[:16]
+
+
+def _row_to_problem(row: Any) -> Problem:
+    if not isinstance(row, dict):
+        raise ValueError(f"row must be a JSON object, got {type(row).__name__}")
+    prompt = _prompt_text(row.get("prompt"))
+    answer = parse_integer_answer(row.get("answer"))
+    raw_id = row.get("id")
+    if raw_id is None:
+        pid = _content_id(prompt, answer)
+    elif isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or str(raw_id).strip() == "":
+        raise ValueError(f"'id' must be a non-empty string or an integer, got {raw_id!r}")
+    else:
+        pid = str(raw_id)
+    return Problem(problem_id=pid, prompt=prompt, answer=answer)
+
+
+def _jsonl_rows(path: Path, errors: list[RowError]) -> Iterator[tuple[int, Any]]:
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue  # blank lines (e.g. a trailing newline) are not rows
+            try:
+                yield lineno, json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                errors.append(RowError(str(path), lineno, f"not valid JSON: {exc}"))
+
+
+def _parquet_rows(path: Path, errors: list[RowError]) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 — pyarrow raises many types; report the reason
+        errors.append(RowError(str(path), 0, f"cannot read Parquet file: {exc}"))
+        return
+    for index, row in enumerate(table.to_pylist(), start=1):
+        yield index, row
+
+
+def load_problems(paths: str | Path | Iterable[str | Path]) -> list[Problem]:
+    """Load and validate one or more ``.jsonl`` / ``.parquet`` files (in order).
+
+    Raises :class:`ProblemSetError` listing every bad row of every file (and duplicate ids
+    across them) before returning anything.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    errors: list[RowError] = []
+    problems: list[Problem] = []
+    first_seen: dict[str, tuple[str, int]] = {}
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            errors.append(RowError(str(path), 0, "file not found"))
+            continue
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".ndjson"):
+            rows = _jsonl_rows(path, errors)
+        elif suffix in (".parquet", ".pq"):
+            rows = _parquet_rows(path, errors)
+        else:
+            errors.append(RowError(str(path), 0, f"unknown file type {suffix!r} (use .jsonl or .parquet)"))
+            continue
+        n_rows = 0
+        for lineno, row in rows:
+            n_rows += 1
+            try:
+                problem = _row_to_problem(row)
+            except ValueError as exc:
+                errors.append(RowError(str(path), lineno, str(exc)))
+                continue
+            if problem.problem_id in first_seen:
+                f, ln = first_seen[problem.problem_id]
+                errors.append(RowError(str(path), lineno, f"duplicate id {problem.problem_id!r} (first at {f}:{ln})"))
+                continue
+            first_seen[problem.problem_id] = (str(path), lineno)
+            problems.append(problem)
+        if n_rows == 0 and not any(e.file == str(path) for e in errors):
+            errors.append(RowError(str(path), 0, "no rows"))
+    if errors:
+        raise ProblemSetError(errors)
+    return problems
+
+
+def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
+    """Write problems as DAPO-style JSONL rows (what ``load_problems`` reads back)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for p in problems:
+            fh.write(json.dumps(p.to_row(), ensure_ascii=False) + "\n")
+    return out
+
+
+# --------------------------------------------------------------------------- generation
+#
+# Parameter ranges: chosen so that a tool call is the natural way to the answer (products of
+# 3–5 digit numbers, powers too big for mental arithmetic) while answers stay short enough
+# for a ~2M-parameter model to copy digit by digit (at most ~12 digits except C(n, k)).
+
+
+def _arith(rng: random.Random) -> tuple[dict[str, int], int]:
+    a = rng.randint(100, 99_999)
+    b = rng.randint(10, 9_999)
+    c = rng.randint(1, 99_999)
+    sign = rng.choice((1, -1))
+    return {"a": a, "b": b, "c": c, "sign": sign}, a * b + sign * c
+
+
+def _modpow(rng: random.Random) -> tuple[dict[str, int], int]:
+    a = rng.randint(2, 999)
+    k = rng.randint(10, 100_000)
+    m = rng.randint(7, 99_999)
+    return {"a": a, "k": k, "m": m}, pow(a, k, m)
+
+
+def _digit_sum_power(rng: random.Random) -> tuple[dict[str, int], int]:
+    a = rng.randint(2, 99)
+    k = rng.randint(20, 300)
+    return {"a": a, "k": k}, sum(int(d) for d in str(a**k))
+
+
+def _gcd(rng: random.Random) -> tuple[dict[str, int], int]:
+    g = rng.randint(2, 999)  # a shared factor so the gcd is rarely 1
+    a = g * rng.randint(2, 9_999)
+    b = g * rng.randint(2, 9_999)
+    return {"a": a, "b": b}, math.gcd(a, b)
+
+
+def _lcm(rng: random.Random) -> tuple[dict[str, int], int]:
+    g = rng.randint(2, 99)
+    a = g * rng.randint(2, 999)
+    b = g * rng.randint(2, 999)
+    return {"a": a, "b": b}, math.lcm(a, b)
+
+
+def _primes_below(rng: random.Random) -> tuple[dict[str, int], int]:
+    n = rng.randint(20, 200_000)
+    return {"n": n}, count_primes_below(n)
+
+
+def _binomial(rng: random.Random) -> tuple[dict[str, int], int]:
+    n = rng.randint(8, 40)
+    k = rng.randint(2, n // 2)
+    return {"n": n, "k": k}, math.comb(n, k)
+
+
+def count_primes_below(n: int) -> int:
+    """Number of primes p < n (sieve of Eratosthenes)."""
+    if n < 3:
+        return 0
+    sieve = bytearray([1]) * n
+    sieve[0] = sieve[1] = 0
+    for i in range(2, math.isqrt(n - 1) + 1):
+        if sieve[i]:
+            sieve[i * i :: i] = bytes(len(range(i * i, n, i)))
+    return sum(sieve)
+
+
+_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "arith": (
+        "Compute {a} * {b} {op} {c}.",
+        "What is {a} times {b} {opword} {c}?",
+        "Calculate the value of {a} * {b} {op} {c}.",
+    ),
+    "modpow": (
+        "Find the remainder when {a}^{k} is divided by {m}.",
+        "Compute {a}^{k} mod {m}.",
+        "What is {a} raised to the power {k}, modulo {m}?",
+    ),
+    "digit_sum_power": (
+        "What is the sum of the digits of {a}^{k}?",
+        "Compute the digit sum of {a} raised to the power {k}.",
+    ),
+    "gcd": (
+        "Find the greatest common divisor of {a} and {b}.",
+        "What is gcd({a}, {b})?",
+    ),
+    "lcm": (
+        "Find the least common multiple of {a} and {b}.",
+        "What is lcm({a}, {b})?",
+    ),
+    "primes_below": (
+        "How many prime numbers are less than {n}?",
+        "Count the primes p with p < {n}.",
+    ),
+    "binomial": (
+        "In how many ways can {k} items be chosen from {n} distinct items?",
+        "Compute the binomial coefficient C({n}, {k}).",
+    ),
+}
+
+GENERATORS: dict[str, Callable[[random.Random], tuple[dict[str, int], int]]] = {
+    "arith": _arith,
+    "modpow": _modpow,
+    "digit_sum_power": _digit_sum_power,
+    "gcd": _gcd,
+    "lcm": _lcm,
+    "primes_below": _primes_below,
+    "binomial": _binomial,
+}
+KINDS: tuple[str, ...] = tuple(GENERATORS)
+
+# One problem in EVAL_BUCKETS (by key hash) belongs to the eval partition.
+EVAL_BUCKETS = 8
+
+
+def canonical_key(kind: str, params: Mapping[str, int]) -> str:
+    """What makes two generated problems the same problem (the wording does not count)."""
+    return kind + ":" + ",".join(f"{k}={params[k]}" for k in sorted(params))
+
+
+def is_eval_key(key: str) -> bool:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % EVAL_BUCKETS == 0
+
+
+def _render(kind: str, params: Mapping[str, int], rng: random.Random) -> str:
+    fields = dict(params)
+    if kind == "arith":
+        fields["op"] = "+" if params["sign"] > 0 else "-"
+        fields["opword"] = "plus" if params["sign"] > 0 else "minus"
+    return rng.choice(_TEMPLATES[kind]).format(**fields)
+
+
+def make_problem(kind: str, rng: random.Random) -> Problem:
+    params, answer = GENERATORS[kind](rng)
+    key = canonical_key(kind, params)
+    pid = f"gen-{kind}-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Problem(problem_id=pid, prompt=_render(kind, params, rng), answer=str(answer),
+                   kind=kind, params=params)
+
+
+def problem_stream(seed: int, *, split: str = "train", kinds: Iterable[str] | None = None) -> Iterator[Problem]:
+    """An endless, deterministic stream of distinct generated problems of one partition.
+
+    ``split`` is ``"train"`` (problems outside the eval partition) or ``"eval"`` (inside it).
+    Kinds are drawn uniformly from ``kinds`` (default: all).
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    chosen = tuple(kinds) if kinds is not None else KINDS
+    unknown = [k for k in chosen if k not in GENERATORS]
+    if unknown or not chosen:
+        raise ValueError(f"unknown problem kinds {unknown}; known: {list(KINDS)}")
+    want_eval = split == "eval"
+    # Different streams for the two partitions so an eval set and a train stream with the same
+    # seed do not walk the same random sequence (they could not overlap anyway).
+    rng = random.Random(f"{seed}:{split}")
+    seen: set[str] = set()
+    while True:
+        problem = make_problem(rng.choice(chosen), rng)
+        assert problem.kind is not None and problem.params is not None
+        key = canonical_key(problem.kind, problem.params)
+        if is_eval_key(key) != want_eval or key in seen:
+            continue
+        seen.add(key)
+        yield problem
+
+
+def generate_problems(n: int, *, seed: int, split: str = "train", kinds: Iterable[str] | None = None) -> list[Problem]:
+    """The first ``n`` problems of :func:`problem_stream`."""
+    stream = problem_stream(seed, split=split, kinds=kinds)
+    return [next(stream) for _ in range(n)]
+
+
+def make_splits(n_train: int, n_eval: int, *, seed: int,
+                kinds: Iterable[str] | None = None) -> tuple[list[Problem], list[Problem]]:
+    """Deterministic, disjoint train and eval sets."""
+    kinds = tuple(kinds) if kinds is not None else None
+    return (generate_problems(n_train, seed=seed, split="train", kinds=kinds),
+            generate_problems(n_eval, seed=seed, split="eval", kinds=kinds))

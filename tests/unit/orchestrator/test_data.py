@@ -1,0 +1,210 @@
+"""Problem-set loading (validation, error reports) and the seeded problem generator."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sympy
+
+from services.orchestrator.data import (
+    EVAL_BUCKETS,
+    KINDS,
+    Problem,
+    ProblemSetError,
+    canonical_key,
+    count_primes_below,
+    generate_problems,
+    is_eval_key,
+    load_problems,
+    make_splits,
+    parse_integer_answer,
+    problem_stream,
+    write_jsonl,
+)
+
+# --------------------------------------------------------------------------- loading
+
+
+def _write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_loads_valid_jsonl(tmp_path):
+    path = _write_lines(tmp_path / "p.jsonl", [
+        json.dumps({"prompt": "What is 2+2?", "answer": "4", "id": "a"}),
+        "",
+        json.dumps({"prompt": "What is 3-5?", "answer": -2}),
+        json.dumps({"prompt": [{"role": "user", "content": "Compute 7*6."}], "answer": " 42 ", "id": 7}),
+    ])
+    problems = load_problems(path)
+    assert [p.answer for p in problems] == ["4", "-2", "42"]
+    assert problems[0].problem_id == "a" and problems[2].problem_id == "7"
+    assert problems[1].problem_id.startswith("p-")
+    assert problems[2].prompt == "Compute 7*6."
+
+
+def test_all_bad_rows_are_reported_with_file_line_and_reason(tmp_path):
+    path = _write_lines(tmp_path / "bad.jsonl", [
+        json.dumps({"prompt": "ok", "answer": 1, "id": "x"}),          # 1 fine
+        "{not json",                                                   # 2
+        json.dumps({"answer": 3}),                                     # 3 no prompt
+        json.dumps({"prompt": "p", "answer": "3.5"}),                  # 4 not an integer
+        json.dumps({"prompt": "p", "answer": True}),                   # 5 boolean
+        json.dumps({"prompt": "   ", "answer": 1}),                    # 6 empty prompt
+        json.dumps({"prompt": "q", "answer": 2, "id": "x"}),           # 7 duplicate id
+        json.dumps([1, 2]),                                            # 8 not an object
+        json.dumps({"prompt": "p"}),                                   # 9 no answer
+    ])
+    with pytest.raises(ProblemSetError) as info:
+        load_problems(path)
+    errors = info.value.errors
+    assert [e.line for e in errors] == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert all(e.file == str(path) for e in errors)
+    reasons = {e.line: e.reason for e in errors}
+    assert "not valid JSON" in reasons[2]
+    assert "missing 'prompt'" in reasons[3]
+    assert "integer" in reasons[4] and "3.5" in reasons[4]
+    assert "boolean" in reasons[5]
+    assert "empty" in reasons[6]
+    assert "duplicate id 'x'" in reasons[7] and ":1" in reasons[7]
+    assert "JSON object" in reasons[8]
+    assert "missing 'answer'" in reasons[9]
+    message = str(info.value)
+    assert f"{path}:4:" in message and "8 bad row(s)" in message
+
+
+def test_errors_of_several_files_are_collected_together(tmp_path):
+    a = _write_lines(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "answer": "x"})])
+    b = tmp_path / "missing.jsonl"
+    c = _write_lines(tmp_path / "c.csv", ["prompt,answer"])
+    with pytest.raises(ProblemSetError) as info:
+        load_problems([a, b, c])
+    files = [e.file for e in info.value.errors]
+    assert files == [str(a), str(b), str(c)]
+    assert "file not found" in info.value.errors[1].reason
+    assert "unknown file type" in info.value.errors[2].reason
+
+
+def test_parquet_rows_are_validated_with_row_numbers(tmp_path):
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": ["1", "two", "3"]}), path)
+    with pytest.raises(ProblemSetError) as info:
+        load_problems(path)
+    assert [(e.line, "two" in e.reason) for e in info.value.errors] == [(2, True)]
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1, 2], "id": ["i", "j"]}), path)
+    assert [p.problem_id for p in load_problems(path)] == ["i", "j"]
+
+
+def test_unreadable_parquet_is_reported(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(ProblemSetError, match="cannot read Parquet"):
+        load_problems(path)
+
+
+def test_generated_problems_round_trip_through_jsonl(tmp_path):
+    problems = generate_problems(50, seed=3)
+    loaded = load_problems(write_jsonl(problems, tmp_path / "gen.jsonl"))
+    assert [(p.problem_id, p.prompt, p.answer) for p in loaded] == [(p.problem_id, p.prompt, p.answer) for p in problems]
+
+
+@pytest.mark.parametrize("value,expected", [(5, "5"), ("-12", "-12"), ("+7", "7"), ("007", "7"), (3.0, "3")])
+def test_integer_answers_are_canonicalised(value, expected):
+    assert parse_integer_answer(value) == expected
+
+
+@pytest.mark.parametrize("value", ["1e3", "1/2", "", "١٢", "12a", 2.5, None, [1]])
+def test_non_integer_answers_are_rejected(value):
+    with pytest.raises(ValueError):
+        parse_integer_answer(value)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _recompute(p: Problem) -> int:
+    """An independent computation of each kind's answer (sympy, not the generator's code)."""
+    q = p.params
+    if p.kind == "arith":
+        return q["a"] * q["b"] + q["sign"] * q["c"]
+    if p.kind == "modpow":
+        return int(sympy.Integer(q["a"]) ** q["k"] % q["m"])
+    if p.kind == "digit_sum_power":
+        return sum(sympy.ntheory.digits(q["a"] ** q["k"])[1:])
+    if p.kind == "gcd":
+        return int(sympy.gcd(q["a"], q["b"]))
+    if p.kind == "lcm":
+        return int(sympy.lcm(q["a"], q["b"]))
+    if p.kind == "primes_below":
+        return int(sympy.primepi(q["n"] - 1))
+    if p.kind == "binomial":
+        return int(sympy.binomial(q["n"], q["k"]))
+    raise AssertionError(p.kind)
+
+
+def test_every_generated_answer_is_correct():
+    problems = generate_problems(400, seed=11) + generate_problems(100, seed=11, split="eval")
+    assert set(Counter(p.kind for p in problems)) == set(KINDS)
+    for p in problems:
+        assert p.answer == str(_recompute(p)), p
+        assert p.answer.lstrip("-").isdigit()
+        # The numbers the solver needs are in the prompt text.
+        for name, value in p.params.items():
+            if name != "sign":
+                assert str(value) in p.prompt, (p, name)
+
+
+def test_count_primes_below_matches_sympy():
+    for n in [0, 1, 2, 3, 4, 10, 11, 100, 7919, 7920, 100_000]:
+        assert count_primes_below(n) == sympy.primepi(n - 1) if n > 0 else count_primes_below(n) == 0
+
+
+def test_generation_is_deterministic():
+    a = generate_problems(200, seed=5)
+    b = generate_problems(200, seed=5)
+    assert [(p.problem_id, p.prompt, p.answer) for p in a] == [(p.problem_id, p.prompt, p.answer) for p in b]
+    c = generate_problems(200, seed=6)
+    assert [p.problem_id for p in a] != [p.problem_id for p in c]
+
+
+def test_splits_are_disjoint_and_deterministic():
+    train, evals = make_splits(1500, 200, seed=0)
+    train_keys = {canonical_key(p.kind, p.params) for p in train}
+    eval_keys = {canonical_key(p.kind, p.params) for p in evals}
+    assert len(train_keys) == 1500 and len(eval_keys) == 200  # no duplicates inside a split
+    assert not train_keys & eval_keys
+    assert all(is_eval_key(k) for k in eval_keys) and not any(is_eval_key(k) for k in train_keys)
+    # A train stream of another seed never yields an eval problem either.
+    other = generate_problems(1500, seed=99)
+    assert not {canonical_key(p.kind, p.params) for p in other} & eval_keys
+    again_train, again_eval = make_splits(1500, 200, seed=0)
+    assert [p.problem_id for p in again_eval] == [p.problem_id for p in evals]
+    assert [p.problem_id for p in again_train] == [p.problem_id for p in train]
+
+
+def test_eval_partition_is_about_one_bucket_in_eight():
+    keys = [canonical_key(p.kind, p.params) for p in _unfiltered(4000)]
+    frac = sum(map(is_eval_key, keys)) / len(keys)
+    assert abs(frac - 1 / EVAL_BUCKETS) < 0.03
+
+
+def _unfiltered(n):
+    import random
+
+    from services.orchestrator.data import make_problem
+
+    rng = random.Random(0)
+    return [make_problem(rng.choice(KINDS), rng) for _ in range(n)]
+
+
+def test_stream_kinds_and_bad_arguments():
+    assert {p.kind for p in generate_problems(30, seed=1, kinds=["gcd", "lcm"])} == {"gcd", "lcm"}
+    with pytest.raises(ValueError, match="unknown problem kinds"):
+        next(problem_stream(0, kinds=["nope"]))
+    with pytest.raises(ValueError, match="split"):
+        next(problem_stream(0, split="test"))
