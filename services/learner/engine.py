@@ -1,0 +1,212 @@
+"""The learner engine: model + trainer + step assembly + checkpoints, without Kafka or SQL.
+
+``LearnerEngine.open`` resumes from the newest complete checkpoint (weights, optimizer and
+schedule, step, version, stage, consumed group ids) or starts from the initial model as
+version 0. ``offer`` feeds one scored group to the :class:`~services.learner.assembly.StepAssembler`;
+when a step is ready, ``train_step`` (blocking — the runtime runs it in a worker thread)
+trains on it, writes the checkpoint atomically and only then marks the groups consumed. The
+runtime records the outcome in PostgreSQL, publishes the WeightVersion and commits the Kafka
+offsets afterwards; a crash anywhere before the checkpoint rename loses nothing (the groups are
+redelivered), a crash after it leaves a checkpoint whose consumed ids make the redelivered
+groups duplicates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.learner.assembly import Decision, GroupStats, StepAssembler, group_stats
+from services.learner.checkpoints import CheckpointStore, LearnerState
+from services.learner.packing import TrainSequence
+from services.learner.trainer import PolicyTrainer, TrainerConfig, load_model, resolve_device
+from shared.checkpoint import checkpoint_sha256, uri_for
+from shared.events import ScoredGroup
+from shared.logging import get_logger
+
+log = get_logger("learner.engine")
+
+
+@dataclass
+class StepOutcome:
+    version: int
+    step: int
+    stage: int
+    weights_dir: Path
+    sha256: str
+    group_ids: list[str]
+    metrics: dict[str, Any]
+    optimizer_reset: bool
+    dropped_stale: int
+    trained: bool = True  # False: the batch was given up (non-finite gradient)
+    stats: GroupStats | None = None
+
+    @property
+    def uri(self) -> str:
+        return uri_for(self.weights_dir)
+
+
+def pad_token_id(model_dir: Path) -> int:
+    """A harmless id for row padding (it is never a loss token): pad, else eos, else 0."""
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    for key in ("pad_token_id", "eos_token_id"):
+        v = cfg.get(key)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if isinstance(v, int):
+            return v
+    return 0
+
+
+def group_sequences(groups: list[ScoredGroup]) -> list[TrainSequence]:
+    return [
+        TrainSequence(
+            prompt_ids=st.trajectory.prompt_token_ids,
+            response_ids=st.trajectory.response_token_ids,
+            loss_mask=st.trajectory.loss_mask,
+            behaviour_logprobs=st.trajectory.logprobs,
+            advantage=st.advantage,
+        )
+        for g in groups
+        for st in g.selected
+    ]
+
+
+@dataclass
+class EngineConfig:
+    model_dir: Path
+    checkpoint_dir: Path
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    groups_per_step: int = 8
+    max_staleness: int = 2
+    run_id: str = ""
+    device: str = "auto"
+    keep_last: int = 3
+    skip_zero_advantage_groups: bool = True
+
+    @classmethod
+    def from_settings(cls, s: Any) -> "EngineConfig":
+        if s.model_dir is None:
+            raise ValueError("learner needs model_dir (RSTAR_LEARNER_MODEL_DIR): the initial HF model directory")
+        return cls(model_dir=Path(s.model_dir), checkpoint_dir=s.resolved_checkpoint_dir(), trainer=s.trainer_config(),
+                   groups_per_step=s.groups_per_step, max_staleness=s.max_staleness, run_id=s.run_id,
+                   device=s.device, keep_last=s.keep_last, skip_zero_advantage_groups=s.skip_zero_advantage_groups)
+
+
+class LearnerEngine:
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, trainer: PolicyTrainer, store: CheckpointStore,
+                 state: LearnerState, resumed: bool):
+        self.cfg = cfg
+        self.model = model
+        self.trainer = trainer
+        self.store = store
+        self.state = state
+        self.resumed = resumed
+        self.assembler = StepAssembler(
+            groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness, version=state.version,
+            run_id=state.run_id or cfg.run_id, stage=state.stage, consumed=set(state.consumed),
+            skip_zero_advantage=cfg.skip_zero_advantage_groups,
+        )
+        self._initial_sha: str | None = None
+
+    @classmethod
+    def open(cls, cfg: EngineConfig) -> "LearnerEngine":
+        if not (cfg.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"model_dir {cfg.model_dir} is not an HF model directory (no config.json)")
+        device = resolve_device(cfg.device)
+        store = CheckpointStore(cfg.checkpoint_dir, cfg.model_dir)
+        state = store.latest()
+        if state is not None:
+            if cfg.run_id and state.run_id and state.run_id != cfg.run_id:
+                raise ValueError(f"checkpoints in {cfg.checkpoint_dir} belong to run {state.run_id!r}, not {cfg.run_id!r}")
+            model = load_model(store.weights_dir(state.version), device)
+            trainer = PolicyTrainer(model, cfg.trainer, pad_id=pad_token_id(cfg.model_dir))
+            trainer.load_state_dict(store.load_trainer_state(state.version, device))
+            log.info("learner_resumed", version=state.version, step=state.step, stage=state.stage,
+                     consumed=len(state.consumed))
+            return cls(cfg, model, trainer, store, state, resumed=True)
+        model = load_model(cfg.model_dir, device)
+        trainer = PolicyTrainer(model, cfg.trainer, pad_id=pad_token_id(cfg.model_dir))
+        state = LearnerState(run_id=cfg.run_id, version=0, step=0)
+        log.info("learner_fresh_start", model_dir=str(cfg.model_dir), device=str(device))
+        return cls(cfg, model, trainer, store, state, resumed=False)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def run_id(self) -> str:
+        return self.state.run_id or self.assembler.run_id
+
+    def current_weights(self) -> tuple[Path, str]:
+        """(directory, sha256) of the current version: the checkpoint, or the initial model (v0)."""
+        if self.state.version == 0 and not self.resumed:
+            if self._initial_sha is None:
+                self._initial_sha = checkpoint_sha256(self.cfg.model_dir)
+            return self.cfg.model_dir, self._initial_sha
+        return self.store.weights_dir(self.state.version), self.state.weights_sha256
+
+    # ------------------------------------------------------------------ commands
+    def offer(self, group: ScoredGroup) -> Decision:
+        return self.assembler.offer(group)
+
+    def ready(self) -> bool:
+        return self.assembler.ready()
+
+    def train_step(self) -> StepOutcome:
+        """Train on the next B groups, checkpoint the result as a new version (blocking)."""
+        groups = self.assembler.peek()
+        stage = self.assembler.step_stage(groups)
+        reset = self.assembler.needs_optimizer_reset(groups)
+        stats = group_stats(groups, self.state.version)
+        dropped = self.assembler.dropped_stale
+        if reset:
+            self.trainer.reset_optimizer()
+            log.info("optimizer_reset", stage=stage, step=self.state.step + 1)
+        t0 = time.perf_counter()
+        try:
+            result = self.trainer.train_step(group_sequences(groups))
+        except FloatingPointError as exc:
+            # The update was skipped and the weights are untouched; the batch is given up so
+            # a redelivery cannot loop on it. It is recorded with the next checkpoint.
+            log.error("step_skipped_non_finite", error=str(exc), groups=[g.group_id for g in groups])
+            self.assembler.discard(groups)
+            return StepOutcome(self.state.version, self.state.step, stage, *self.current_weights(),
+                               group_ids=[g.group_id for g in groups], metrics={}, optimizer_reset=reset,
+                               dropped_stale=dropped, trained=False, stats=stats)
+        metrics = dict(result.metrics)
+        metrics.update(
+            staleness_mean=stats.staleness_mean, staleness_max=stats.staleness_max, reward_mean=stats.reward_mean,
+            pass_rate_mean=stats.pass_rate_mean, response_len_mean=stats.response_len_mean,
+            tool_error_rate_pos=stats.tool_error_rate_pos, n_groups=len(groups),
+            n_trajectories=stats.n_trajectories, dropped_stale=dropped, optimizer_reset=reset,
+            train_seconds=time.perf_counter() - t0,
+        )
+        new = LearnerState(
+            run_id=self.run_id,
+            version=self.state.version + 1,
+            step=self.state.step + 1,
+            stage=stage,
+            consumed=sorted(self.assembler.consumed | {g.group_id for g in groups}),
+            optimizer_reset_steps=self.state.optimizer_reset_steps + ([self.state.step + 1] if reset else []),
+            metrics=metrics,
+        )
+        t1 = time.perf_counter()
+        weights_dir, sha = self.store.save(new, self.model, self.trainer.state_dict())
+        metrics["checkpoint_seconds"] = time.perf_counter() - t1
+        self.state = new
+        self.resumed = True
+        self.assembler.complete(groups, new.version)
+        removed = self.store.prune(self.cfg.keep_last)
+        log.info("step_done", step=new.step, version=new.version, loss=metrics["loss"], tokens_per_s=round(metrics["tokens_per_s"]),
+                 pruned=removed)
+        return StepOutcome(new.version, new.step, stage, weights_dir, sha, [g.group_id for g in groups], metrics,
+                           optimizer_reset=reset, dropped_stale=dropped, stats=stats)
