@@ -339,4 +339,5 @@ if __name__ == "__main__":
     path = create_random_model(args.out_dir, seed=args.seed)
     print(json.dumps({"model_dir": str(path), "sha256": checkpoint_sha256(path)}))
     if args.vllm:
-        print(json.dumps(_vllm_smoke(path)))
+        # vLLM logs to stdout too: the result line is prefixed so callers can find it.
+        print("VLLM_SMOKE " + json.dumps(_vllm_smoke(path)), flush=True)
