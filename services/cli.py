@@ -25,7 +25,7 @@ stack_app = typer.Typer(help="The embedded broker and database (local default)."
 db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 app.add_typer(db_app, name="db")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 # service name on the command line → python module under services/
 SERVICES = {
@@ -64,8 +64,19 @@ def serve(
     from shared.settings import load_settings
 
     settings_cls, build_service = load_service(name)
-    settings = load_settings(settings_cls, config, port=port)
+    settings = _settings_or_exit(load_settings, settings_cls, config, port=port)
     run(build_service(settings), settings)
+
+
+def _settings_or_exit(load, *args, **kw):
+    """Settings errors are the operator's to fix: one clear line, no traceback."""
+    from pydantic import ValidationError
+
+    try:
+        return load(*args, **kw)
+    except (FileNotFoundError, ValueError, ValidationError) as exc:
+        console.print(f"[red]invalid settings:[/red] {exc}")
+        raise typer.Exit(2) from None
 
 
 @stack_app.command("up")

