@@ -1,0 +1,646 @@
+"""Pool parent ("zygote"): a warm Python process that forks one sandboxed child per call.
+
+Run as ``python -m services.tool_executor.zygote '<json config>'`` by the service's pool
+(`pool.py`), with a scrubbed environment and one end of a socketpair as fd 3. It
+
+1. sets up isolation ONCE for everything it will fork (as root): its own network namespace
+   (only a loopback that stays down: no network at all), IPC and UTS namespaces, and a private
+   mount namespace in which every mount is re-bound read-only, the paths that must not be
+   seen (the service's source tree, its state dir, /root, /etc/shadow, ...) are covered by
+   empty read-only mounts, /tmp is a fresh size-limited tmpfs that holds the calls' working
+   directories, and /proc is re-mounted with ``hidepid=invisible`` (a call sees only its own
+   processes, so /proc/1/environ and the service's /proc/PID/environ do not exist for it);
+2. imports the libraries solutions use (light pool: the stdlib math set; heavy pool: also
+   numpy and sympy) and freezes the GC so children do not copy-on-write the parent's objects;
+3. serves length-prefixed JSON frames: for each call it forks a child that starts its own
+   session (process group), makes a fresh 0700 working directory, points fds 0-2 at a stdin
+   memfd and two output memfds, closes every other fd, applies rlimits (policy.rlimits_for),
+   drops all groups and switches to a uid of its own (one per concurrent slot, so calls
+   cannot signal each other and RLIMIT_NPROC counts each call separately), sets
+   no_new_privs, and runs the code (with earlier session cells replayed silently first);
+4. supervises: a wall-clock deadline per call; at the deadline, and after every call ends,
+   it kills every process of the call's uid (daemonised children and whatever escaped the
+   process group) by taking that uid for a moment (real and effective; the saved uid stays 0
+   so it can return) and sending SIGKILL to -1 — the kernel then only signals processes of
+   that uid. It is the children's subreaper, so orphans come back to it to be reaped.
+
+If namespaces cannot be created or privileges cannot be dropped, it still serves but reports
+that in its hello frame; the service refuses to use it unless configured `insecure`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import gc
+import importlib
+import io
+import linecache
+import os
+import re
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from services.tool_executor import policy
+
+CTRL_FD = 3
+FRAME = struct.Struct(">I")
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
+
+# Exit status of a child whose sandbox set-up failed before the user's code ran.
+SETUP_FAILED_EXIT = 125
+# Characters of stderr's end used to recognise a MemoryError traceback.
+STDERR_TAIL_CHARS = 400
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def _prctl(option: int, arg: int) -> None:
+    _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl {option}")
+
+
+# ----------------------------------------------------------------------------------------------
+# isolation set-up (once per pool parent)
+
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def plan_hidden(hidden: list[str], keep: list[str]) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """Which hidden paths to cover, and which kept paths (the interpreter, the virtualenv) to
+    bind back inside a covered directory so they stay importable at the same path.
+    Returns ([(covered_dir, [kept paths inside it])...], [covered files and dirs without keeps])."""
+    keep_real = sorted({os.path.realpath(k) for k in keep if os.path.isdir(k)})
+    # Drop kept paths nested in other kept paths: binding the outer one brings them along.
+    keep_real = [k for k in keep_real if not any(k != o and k.startswith(o.rstrip("/") + "/") for o in keep_real)]
+    with_keeps: list[tuple[str, list[str]]] = []
+    plain: list[str] = []
+    reals = {os.path.realpath(p) for p in hidden}
+    for real in sorted(reals):
+        if not os.path.lexists(real):
+            continue
+        if any(o != real and real.startswith(o.rstrip("/") + "/") for o in reals):
+            continue  # inside another hidden path: covered with it
+        if any(k == real or real.startswith(k.rstrip("/") + "/") for k in keep_real):
+            continue  # inside (or equal to) a kept path: keeping wins
+        inside = [k for k in keep_real if k.startswith(real.rstrip("/") + "/")]
+        if inside and os.path.isdir(real):
+            with_keeps.append((real, inside))
+        else:
+            plain.append(real)
+    return with_keeps, plain
+
+
+def _cover_keeping(directory: str, kept: list[str], staging: str, errors: list[str]) -> None:
+    """Cover `directory` with an empty tmpfs, then bind each kept path back at its place."""
+    staged = []
+    try:
+        for i, path in enumerate(kept):
+            point = f"{staging}/{len(os.listdir(staging))}-{i}"
+            os.mkdir(point)
+            _mount(path, point, None, MS_BIND | MS_REC, None)
+            staged.append((path, point))
+        _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+        for path, point in staged:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(point, path, None, MS_BIND | MS_REC, None)
+    except OSError as exc:
+        errors.append(f"covering {directory} failed: {exc}")
+    finally:
+        for _, point in staged:
+            _libc.umount2(point.encode(), 2)  # MNT_DETACH
+            try:
+                os.rmdir(point)
+            except OSError:
+                pass
+
+
+def _mountinfo() -> list[tuple[str, set[str]]]:
+    points = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            parts = line.split()
+            target = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), parts[4])  # \040 etc.
+            points.append((target, set(parts[5].split(","))))
+    return points
+
+
+def _remount_all_readonly(errors: list[str]) -> None:
+    seen = set()
+    for target, opts in _mountinfo():
+        if target in seen:
+            continue
+        seen.add(target)
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+        flags |= MS_NOSUID if "nosuid" in opts else 0
+        flags |= MS_NODEV if "nodev" in opts else 0
+        flags |= MS_NOEXEC if "noexec" in opts else 0
+        try:
+            _mount(None, target, None, flags, None)
+        except OSError as exc:
+            errors.append(f"read-only remount of {target} failed: {exc}")
+
+
+def _hide(path: str, errors: list[str]) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+        elif os.path.exists(path):
+            _mount("/dev/null", path, None, MS_BIND, None)
+    except OSError as exc:
+        errors.append(f"hiding {path} failed: {exc}")
+
+
+def setup_namespaces() -> dict[str, Any]:
+    """Network/IPC/UTS/mount namespaces for this process and everything it forks."""
+    report: dict[str, Any] = {"netns": False, "mountns": False, "errors": []}
+    if _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS) == 0:
+        report["netns"] = True
+    else:
+        report["errors"].append(f"unshare(NEWNET) failed: {os.strerror(ctypes.get_errno())}")
+    if _libc.unshare(CLONE_NEWNS) == 0:
+        try:
+            _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+            report["mountns"] = True
+        except OSError as exc:
+            report["errors"].append(str(exc))
+    else:
+        report["errors"].append(f"unshare(NEWNS) failed: {os.strerror(ctypes.get_errno())}")
+    return report
+
+
+def setup_filesystem(report: dict[str, Any], hidden_paths: list[str], tmpfs_mb: int) -> str:
+    """After the imports: hide paths, everything read-only, fresh /tmp and /proc.
+    Returns the directory under which calls get their working directories."""
+    errors: list[str] = report["errors"]
+    if not report["mountns"]:
+        import tempfile
+
+        return tempfile.mkdtemp(prefix="rstar-tool-executor-")
+    try:
+        # The calls' working directories live here; it also stages bind mounts below.
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_mb}m,mode=0711")
+        report["private_tmp"] = True
+    except OSError as exc:
+        errors.append(str(exc))
+        report["private_tmp"] = False
+    keep = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    with_keeps, plain = plan_hidden(hidden_paths, keep)
+    if report["private_tmp"]:
+        os.mkdir("/tmp/.stage", 0o700)
+        for directory, kept in with_keeps:
+            _cover_keeping(directory, kept, "/tmp/.stage", errors)
+        os.rmdir("/tmp/.stage")
+    else:
+        plain += [d for d, _ in with_keeps]
+    for path in plain:
+        _hide(path, errors)
+    _remount_all_readonly(errors)
+    if report["private_tmp"]:
+        # The read-only pass covered /tmp too; make it writable again (for the pool parent,
+        # which creates each call's 0700 directory; /tmp itself is 0711 root-owned).
+        try:
+            _mount(None, "/tmp", None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV, None)
+        except OSError as exc:
+            errors.append(f"re-enabling writes on /tmp failed: {exc}")
+            report["private_tmp"] = False
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+        report["hidepid"] = True
+    except OSError as exc:
+        errors.append(f"private /proc failed: {exc}")
+        report["hidepid"] = False
+    if report["private_tmp"]:
+        return "/tmp"
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="rstar-tool-executor-")
+
+
+def _vm_size_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the child
+
+
+class _NullWriter(io.TextIOBase):
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def writable(self) -> bool:
+        return True
+
+
+def _run_cells(code: str, replay: list[str]) -> int:
+    """Run the (replayed) cells and the call's cell; returns the process exit status."""
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    real_out, real_err = sys.stdout, sys.stderr
+    if replay:
+        null = _NullWriter()
+        for cell in replay:
+            sys.stdout = sys.stderr = null
+            try:
+                exec(compile(cell, "<cell>", "exec"), namespace)  # noqa: S102 - the service's purpose
+            except BaseException:  # noqa: BLE001 - a replayed cell ran ok before; keep going
+                pass
+        sys.stdout, sys.stderr = real_out, real_err
+    linecache.cache["<cell>"] = (len(code), None, code.splitlines(True), "<cell>")
+    try:
+        exec(compile(code, "<cell>", "exec"), namespace)  # noqa: S102
+        return 0
+    except SystemExit as exc:
+        status, message = policy.exit_code_from_system_exit(exc.code)
+        if message is not None:
+            _safe_print_err(message)
+        return status
+    except BaseException as exc:  # noqa: BLE001 - report like the interpreter does
+        # Skip this function's own frame: the traceback starts in the user's cell.
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        try:
+            traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - stderr may be closed by the code
+            pass
+        return 1
+
+
+def _safe_print_err(message: str) -> None:
+    try:
+        print(message, file=sys.stderr)
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+@dataclass
+class CallSpec:
+    call_id: int
+    code: str
+    stdin: bytes
+    replay: list[str]
+    rlimits: list[tuple[int, int, int]]
+    timeout_s: float
+
+
+class Zygote:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.kind = cfg["kind"]
+        self.slots = int(cfg["slots"])
+        self.uid_base = int(cfg["uid_base"])
+        self.maxima = policy.Maxima(**cfg["maxima"])
+        self.max_output_chars = int(cfg["max_output_chars"])
+        self.is_root = os.geteuid() == 0
+        self.free_uids = [self.uid_base + i for i in range(self.slots)]
+        self.running: dict[int, dict[str, Any]] = {}  # pid -> call state
+        self.seq = 0
+        self.inbuf = bytearray()
+        self.base_as = 0
+        self.work_root = "/tmp"
+        self.report: dict[str, Any] = {}
+
+    # -- start-up ------------------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        except OSError:
+            pass
+        self.report = setup_namespaces() if self.is_root else {"netns": False, "mountns": False, "errors": ["not running as root: cannot create namespaces"]}
+        t0 = time.perf_counter()
+        for name in self.cfg["preload"]:
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                self.report["errors"].append(f"preload {name}: {exc}")
+        warmup = self.cfg.get("warmup") or ""
+        if warmup:
+            try:
+                exec(compile(warmup, "<warmup>", "exec"), {"__name__": "__warmup__"})  # noqa: S102
+            except Exception as exc:  # noqa: BLE001
+                self.report["errors"].append(f"warm-up failed: {exc!r}")
+        preload_ms = (time.perf_counter() - t0) * 1000
+        self.work_root = setup_filesystem(self.report, self.cfg["hidden_paths"], int(self.cfg["tmpfs_mb"]))
+        self.report["uid_drop"] = self.is_root
+        self.report["secure"] = bool(self.report["netns"] and self.report["mountns"] and self.is_root and self.report.get("private_tmp") and self.report.get("hidepid"))
+        self.base_as = _vm_size_bytes()
+        for uid in self.free_uids:
+            self._kill_uid(uid)  # leftovers of a previous pool parent that used these uids
+        gc.collect()
+        gc.freeze()
+        self.ctrl = socket.socket(fileno=int(self.cfg.get("ctrl_fd", CTRL_FD)))
+        self.ctrl.setblocking(False)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.ctrl, selectors.EVENT_READ, "ctrl")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self._send(
+            {
+                "hello": True,
+                "pid": os.getpid(),
+                "kind": self.kind,
+                "isolation": self.report,
+                "base_address_space_mb": self.base_as // (1024 * 1024),
+                "preload_ms": round(preload_ms, 1),
+            }
+        )
+
+    # -- protocol ------------------------------------------------------------------------
+    def _send(self, msg: dict[str, Any]) -> None:
+        body = orjson.dumps(msg)
+        data = FRAME.pack(len(body)) + body
+        self.ctrl.setblocking(True)
+        try:
+            self.ctrl.sendall(data)
+        finally:
+            self.ctrl.setblocking(False)
+
+    def _read_ctrl(self) -> bool:
+        while True:
+            try:
+                chunk = self.ctrl.recv(1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                return False
+            self.inbuf += chunk
+        while len(self.inbuf) >= 4:
+            (n,) = FRAME.unpack_from(self.inbuf)
+            if len(self.inbuf) < 4 + n:
+                break
+            msg = orjson.loads(bytes(self.inbuf[4 : 4 + n]))
+            del self.inbuf[: 4 + n]
+            self._start_call(msg)
+        return True
+
+    # -- calls ---------------------------------------------------------------------------
+    def _start_call(self, msg: dict[str, Any]) -> None:
+        call_id = msg["id"]
+        if not self.free_uids:
+            # The service never sends more than `slots` calls at once; answer rather than hang.
+            self._send(self._internal_error(call_id, "pool parent has no free slot"))
+            return
+        limits = policy.Limits(timeout_s=float(msg["timeout_s"]), memory_mb=int(msg["memory_mb"]))
+        spec = CallSpec(
+            call_id=call_id,
+            code=msg["code"],
+            stdin=msg.get("stdin", "").encode("utf-8", errors="surrogateescape"),
+            replay=msg.get("replay") or [],
+            rlimits=policy.rlimits_for(limits, self.maxima, self.base_as),
+            timeout_s=limits.timeout_s + float(msg.get("extra_time_s", 0.0)),
+        )
+        uid = self.free_uids.pop()
+        self.seq += 1
+        workdir = f"{self.work_root}/c{self.seq}"
+        out_fd = os.memfd_create("stdout", os.MFD_CLOEXEC)
+        err_fd = os.memfd_create("stderr", os.MFD_CLOEXEC)
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            self._child(spec, uid, out_fd, err_fd, workdir)  # never returns
+        self.running[pid] = {
+            "spec": spec,
+            "uid": uid,
+            "out": out_fd,
+            "err": err_fd,
+            "workdir": workdir,
+            "started": started,
+            "deadline": started + spec.timeout_s,
+            "timed_out": False,
+        }
+
+    def _child(self, spec: CallSpec, uid: int, out_fd: int, err_fd: int, workdir: str) -> None:
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setsid()
+            in_fd = os.memfd_create("stdin")
+            view = memoryview(spec.stdin)
+            while view:
+                view = view[os.write(in_fd, view) :]
+            os.lseek(in_fd, 0, os.SEEK_SET)
+            os.dup2(in_fd, 0)
+            os.dup2(out_fd, 1)
+            os.dup2(err_fd, 2)
+            os.closerange(3, 1 << 20)
+            os.mkdir(workdir, 0o700)
+            if self.is_root:
+                os.chown(workdir, uid, uid)
+            os.chdir(workdir)
+            import resource
+
+            for res, soft, hard in spec.rlimits:
+                resource.setrlimit(res, (soft, hard))
+            if self.is_root:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)
+            os.environ["HOME"] = workdir
+            os.environ["TMPDIR"] = workdir
+            sys.stdin = io.open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)  # noqa: SIM115
+            sys.stdout = io.open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+            sys.stderr = io.open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
+            sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+            sys.argv = [""]
+        except BaseException as exc:  # noqa: BLE001
+            try:
+                os.write(2, f"sandbox set-up failed: {exc!r}\n".encode())
+            finally:
+                os._exit(SETUP_FAILED_EXIT)
+        status = 1
+        try:
+            status = _run_cells(spec.code, spec.replay)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except BaseException:  # noqa: BLE001 - the code may have closed it
+                    pass
+            os._exit(status)
+
+    def _kill_uid(self, uid: int) -> None:
+        """SIGKILL every process whose real uid is `uid` (see module docstring)."""
+        if not self.is_root:
+            return
+        os.setresuid(uid, uid, 0)
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.setresuid(0, 0, 0)
+
+    def _finish(self, pid: int, wait_status: int) -> None:
+        state = self.running.pop(pid)
+        spec: CallSpec = state["spec"]
+        duration_ms = (time.monotonic() - state["started"]) * 1000
+        self._kill_uid(state["uid"])
+        outputs = []
+        sizes = []
+        for fd in (state["out"], state["err"]):
+            size = os.fstat(fd).st_size
+            sizes.append(size)
+            outputs.append(os.pread(fd, size, 0) if size else b"")
+            os.close(fd)
+        try:
+            os.rmdir(state["workdir"])
+        except FileNotFoundError:
+            pass
+        except OSError:
+            shutil.rmtree(state["workdir"], ignore_errors=True)
+        self.free_uids.append(state["uid"])
+        if os.WIFEXITED(wait_status):
+            exit_code, term_signal = os.WEXITSTATUS(wait_status), None
+        else:
+            exit_code, term_signal = None, os.WTERMSIG(wait_status)
+        stderr_tail = outputs[1][-STDERR_TAIL_CHARS:].decode("utf-8", errors="replace")
+        status = policy.classify(
+            policy.Ending(
+                exit_code=exit_code,
+                term_signal=term_signal,
+                timed_out=state["timed_out"],
+                stdout_bytes=sizes[0],
+                stderr_bytes=sizes[1],
+                output_hard_limit_bytes=self.maxima.output_hard_limit_bytes,
+                stderr_tail=stderr_tail,
+            )
+        )
+        stdout, out_trunc = policy.cap_output(outputs[0], self.max_output_chars)
+        stderr, err_trunc = policy.cap_output(outputs[1], self.max_output_chars)
+        if status is policy.Status.OUTPUT_LIMIT:
+            out_trunc = out_trunc or sizes[0] >= self.maxima.output_hard_limit_bytes
+            err_trunc = err_trunc or sizes[1] >= self.maxima.output_hard_limit_bytes
+        self._send(
+            {
+                "id": spec.call_id,
+                "status": status.value,
+                "stdout": stdout,
+                "stderr": stderr,
+                "stdout_truncated": out_trunc,
+                "stderr_truncated": err_trunc,
+                "exit_code": exit_code,
+                "signal": term_signal,
+                "duration_ms": round(duration_ms, 3),
+            }
+        )
+
+    def _internal_error(self, call_id: int, why: str) -> dict[str, Any]:
+        return {
+            "id": call_id,
+            "status": "error",
+            "stdout": "",
+            "stderr": f"tool executor internal error: {why}",
+            "stdout_truncated": False,
+            "stderr_truncated": False,
+            "exit_code": None,
+            "signal": None,
+            "duration_ms": 0.0,
+        }
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.running:
+                self._finish(pid, wait_status)
+            # else: an orphan of some call, reparented to us (subreaper): reaped, nothing to do
+
+    def _enforce_deadlines(self) -> float | None:
+        now = time.monotonic()
+        next_deadline = None
+        for pid, state in self.running.items():
+            if state["timed_out"]:
+                continue
+            if now >= state["deadline"]:
+                state["timed_out"] = True
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._kill_uid(state["uid"])
+            elif next_deadline is None or state["deadline"] < next_deadline:
+                next_deadline = state["deadline"]
+        return None if next_deadline is None else max(0.0, next_deadline - now)
+
+    def serve(self) -> None:
+        while True:
+            timeout = self._enforce_deadlines()
+            for key, _ in self.sel.select(timeout):
+                if key.data == "ctrl":
+                    if not self._read_ctrl():
+                        self._shutdown()
+                        return
+                else:
+                    try:
+                        while os.read(self.wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+            self._reap()
+
+    def _shutdown(self) -> None:
+        for pid, state in list(self.running.items()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._kill_uid(state["uid"])
+
+
+def main() -> None:
+    cfg = orjson.loads(sys.argv[1])
+    zygote = Zygote(cfg)
+    zygote.start()
+    zygote.serve()
+
+
+if __name__ == "__main__":
+    main()
