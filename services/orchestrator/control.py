@@ -1,0 +1,133 @@
+"""Run control: admission with bounded staleness, task leases and re-dispatch, curriculum stages,
+the stage-3 hard-problem filter. Pure: a snapshot of the run goes in, decisions come out; the
+runtime reads the snapshot from PostgreSQL and carries the decisions out over Kafka.
+
+Admission (bounded staleness)
+    The learner takes B groups per step and publishes policy version v after step v. Every
+    group admitted for rollout will reach the learner unless it is dropped on the way (the
+    reward drops groups with no signal; the learner drops groups that are too stale). With
+    ``live = dispatched − dropped`` groups that will be trained, the orchestrator admits a new
+    task only while::
+
+        live < (η + v + 1) · B
+
+    Group number k (in admission order) is then admitted while the version is at least
+    ``⌊k/B⌋ − η``, and is trained at step ``⌊k/B⌋``: its tokens are at most η versions older
+    than the weights that train on them. η = 0 is synchronous training (rollouts of step v+1
+    start only once version v exists); a larger η overlaps rollout with training without
+    discarding finished work. Each task carries ``min_policy_version = v`` so a rollout
+    instance that lags behind waits for the weights it was admitted under.
+
+Leases
+    Every dispatched task has a deadline. A task whose group has not been scored by then is
+    re-dispatched under the same task id (= group id) with ``attempt + 1``; when both copies
+    finish, the reward and the learner keep only the first by group id. After
+    ``max_attempts`` dispatches a task is given up and counted as dropped (so admission does
+    not wait for it forever).
+
+Curriculum
+    Stages run for a number of learner steps each; the stage of new tasks follows the steps
+    done. Entering a stage that feeds only hard problems filters the problem set: a problem is
+    dropped when its most recent scored group solved it every time, over at least
+    ``solved_min_attempts`` attempts (the paper: "solved 8/8"); unseen problems stay.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class Progress:
+    version: int  # latest policy version published by the learner (0 = the initial model)
+    steps_done: int  # learner steps recorded
+    dispatched: int  # distinct tasks ever dispatched in this run
+    dropped: int  # groups that will never be trained (reward-dropped, stale, given up)
+
+
+@dataclass(frozen=True)
+class Lease:
+    task_id: str
+    deadline: datetime
+    attempts: int
+
+
+@dataclass(frozen=True)
+class ProblemStats:
+    problem_id: str
+    last_attempts: int
+    last_successes: int
+
+
+def admission_budget(p: Progress, *, batch_groups: int, max_staleness: int) -> int:
+    """How many new tasks may be dispatched now (never negative)."""
+    live = p.dispatched - p.dropped
+    return max(0, (max_staleness + p.version + 1) * batch_groups - live)
+
+
+def staleness_bound_holds(admitted_at_version: Sequence[int], *, batch_groups: int, max_staleness: int) -> bool:
+    """Check of the invariant for a history: group k (in admission order) admitted at version
+    ``admitted_at_version[k]`` is trained at step ⌊k/B⌋ with staleness ≤ η."""
+    return all(k // batch_groups - v <= max_staleness for k, v in enumerate(admitted_at_version))
+
+
+@dataclass(frozen=True)
+class LeaseDecision:
+    redispatch: list[Lease]  # send again with attempt + 1
+    give_up: list[Lease]  # exhausted: mark failed, count as dropped
+
+
+def expired_leases(leases: Sequence[Lease], now: datetime, *, max_attempts: int) -> LeaseDecision:
+    redispatch, give_up = [], []
+    for lease in leases:
+        if lease.deadline > now:
+            continue
+        (redispatch if lease.attempts < max_attempts else give_up).append(lease)
+    return LeaseDecision(redispatch, give_up)
+
+
+def new_deadline(now: datetime, timeout_s: float) -> datetime:
+    return now + timedelta(seconds=timeout_s)
+
+
+@dataclass(frozen=True)
+class StagePosition:
+    index: int  # index into the run's stages; == len(stages) when the run is finished
+    finished: bool
+
+
+def stage_position(steps_done: int, stage_steps: Sequence[int]) -> StagePosition:
+    """Which stage new tasks belong to, given the learner steps done so far."""
+    end = 0
+    for i, steps in enumerate(stage_steps):
+        end += steps
+        if steps_done < end:
+            return StagePosition(i, False)
+    return StagePosition(len(stage_steps), True)
+
+
+def hard_problems(stats: Sequence[ProblemStats], all_ids: Sequence[str], *, min_attempts: int) -> list[str]:
+    """Problem ids kept for a hard-only stage: all but those solved every time, in order."""
+    solved = {s.problem_id for s in stats if s.last_attempts >= min_attempts and s.last_successes == s.last_attempts}
+    return [pid for pid in all_ids if pid not in solved]
+
+
+def problem_at(index: int, problem_ids: Sequence[str], seed: int) -> str:
+    """The problem of the index-th task: epochs over a seeded permutation, so the feed is a
+    function of (seed, index) and survives a restart of the orchestrator."""
+    n = len(problem_ids)
+    if n == 0:
+        raise ValueError("no problems to feed")
+    epoch, pos = divmod(index, n)
+    return problem_ids[_permutation(seed, epoch, n)[pos]]
+
+
+@lru_cache(maxsize=16)
+def _permutation(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return tuple(order)

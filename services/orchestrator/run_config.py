@@ -1,0 +1,146 @@
+"""A run's configuration (the YAML a user gives `rstar train`), validated before anything starts.
+
+Example::
+
+    name: demo
+    seed: 0
+    model: .rstar/models/tiny-sft          # HF model dir: version 0 of the policy
+    dataset: {kind: generated, n_train: 2000, n_eval: 200, seed: 0}
+    group_size: 4          # G: trajectories kept per problem
+    n_samples: 8           # 2G: trajectories rolled out per problem
+    batch_groups: 4        # B: groups per learner step
+    max_staleness: 1       # η: 0 = synchronous
+    sampling: {temperature: 1.0, top_p: 1.0}
+    roc_mode: roc
+    stages:
+      - {stage: 1, steps: 10, max_tokens: 8192, max_turns: 10}
+      - {stage: 2, steps: 10, max_tokens: 12288, max_turns: 10}
+      - {stage: 3, steps: 10, max_tokens: 12288, max_turns: 15}   # hard problems only
+
+The same file also feeds the services' settings (``service_settings``), so the reward keeps G,
+the learner steps on B groups and drops beyond η, exactly as the orchestrator admits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetConfig(_Strict):
+    kind: Literal["generated", "file"] = "generated"
+    paths: list[str] = Field(default_factory=list, description="JSONL/Parquet files (kind: file)")
+    eval_paths: list[str] = Field(default_factory=list, description="held-out files for `rstar eval` (kind: file)")
+    n_train: int = Field(2000, gt=0, description="generated training problems")
+    n_eval: int = Field(200, gt=0, description="generated held-out problems")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _paths(self) -> "DatasetConfig":
+        if self.kind == "file" and not self.paths:
+            raise ValueError("dataset.kind 'file' needs dataset.paths")
+        return self
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class StageConfig(_Strict):
+    stage: int = Field(ge=1, le=3)
+    steps: int = Field(gt=0, description="learner steps spent in this stage")
+    max_tokens: int = Field(gt=0, description="token budget of a whole trajectory")
+    max_turns: int = Field(gt=0)
+    hard_only: bool | None = Field(None, description="feed only problems the policy does not solve every time (default: stage 3)")
+
+    @property
+    def only_hard(self) -> bool:
+        return self.stage == 3 if self.hard_only is None else self.hard_only
+
+
+class RunConfig(_Strict):
+    name: str = Field("run", min_length=1, max_length=200)
+    seed: int = 0
+    model: str = Field(description="HF model directory: version 0 of the policy")
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    group_size: int = Field(16, gt=0, description="G")
+    n_samples: int | None = Field(None, description="2G (default 2 x group_size)")
+    batch_groups: int = Field(8, gt=0, description="B")
+    max_staleness: int = Field(1, ge=0, description="η (0: synchronous)")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    roc_mode: Literal["roc", "deterministic", "grpo"] = "roc"
+    lr: float = Field(1e-6, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    stages: list[StageConfig] = Field(min_length=1)
+    task_timeout_s: float = Field(600.0, gt=0, description="lease: a task not scored by then is re-dispatched")
+    max_task_attempts: int = Field(3, ge=1, description="dispatches of one task before it is given up")
+    solved_min_attempts: int = Field(8, ge=1, description="stage 3 drops problems solved in all of >= this many recent attempts")
+
+    @field_validator("n_samples")
+    @classmethod
+    def _n(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("n_samples must be positive")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.n_samples is None:
+            self.n_samples = 2 * self.group_size
+        if self.n_samples < self.group_size:
+            raise ValueError(f"n_samples ({self.n_samples}) must be >= group_size ({self.group_size})")
+        numbers = [s.stage for s in self.stages]
+        if numbers != sorted(numbers) or len(set(numbers)) != len(numbers):
+            raise ValueError(f"stages must be in increasing order without repeats, got {numbers}")
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def service_settings(self) -> dict[str, dict[str, Any]]:
+        """Sections of a system YAML that make every service follow this run."""
+        return {
+            "reward": {"group_size": self.group_size, "roc_mode": self.roc_mode},
+            "learner": {
+                "model_dir": self.model,
+                "groups_per_step": self.batch_groups,
+                "max_staleness": self.max_staleness,
+                "lr": self.lr,
+                "warmup_steps": self.warmup_steps,
+            },
+            "rollout": {"model_path": self.model},
+        }
+
+
+class RunConfigError(ValueError):
+    """A configuration a run cannot start with; the message says every reason."""
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise RunConfigError(f"run config {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RunConfigError(f"run config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RunConfigError(f"run config {path} must be a mapping")
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors())
+        raise RunConfigError(f"run config {path}: {reasons}") from exc
+    model = Path(cfg.model)
+    if not (model / "config.json").is_file():
+        raise RunConfigError(f"run config {path}: model {cfg.model} is not a model directory (no config.json)")
+    return cfg

@@ -1,0 +1,283 @@
+"""Orchestrator runtime: every ``tick_s`` it reads each active run's progress from PostgreSQL,
+asks :mod:`services.orchestrator.control` what to do, and does it (rows in ``rollout_tasks``,
+RolloutTasks on ``rstar.rollout.tasks``). All state lives in the database, so a restarted
+orchestrator continues where it stopped.
+
+Order of effects for a new task: the ``rollout_tasks`` row (status ``leased``, deadline) is
+committed first, then the task is published. A crash in between leaves a leased row that is
+never served: its deadline passes and it is re-dispatched — nothing is lost, at worst late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, HTTPException
+from prometheus_client import Counter, Gauge
+from sqlalchemy import func, select, update
+
+from services.orchestrator import control
+from services.orchestrator.config import Settings
+from services.orchestrator.data import Problem as DataProblem
+from services.orchestrator.data import load_problems, make_splits
+from services.orchestrator.run_config import RunConfig
+from shared import topics
+from shared.db.models import LearnerStep, PolicyVersion, Problem, RolloutTaskRow, Run, Stage, TrajectoryGroupRow
+from shared.db.session import upsert
+from shared.events import RolloutTask, SamplingParams, new_id
+from shared.runtime import RuntimeContext, Service
+
+TASKS_SENT = Counter("rstar_orchestrator_tasks_total", "Rollout tasks published", ["kind"])
+IN_FLIGHT = Gauge("rstar_orchestrator_live_groups", "Admitted groups not yet trained or dropped", ["run_id"])
+VERSION = Gauge("rstar_orchestrator_policy_version", "Latest policy version", ["run_id"])
+STAGE = Gauge("rstar_orchestrator_stage", "Current curriculum stage", ["run_id"])
+
+ACTIVE = ("created", "running")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def dataset_for(cfg: RunConfig) -> tuple[list[DataProblem], list[DataProblem]]:
+    """(train, eval) problems of a run."""
+    d = cfg.dataset
+    if d.kind == "generated":
+        return make_splits(d.n_train, d.n_eval, seed=d.seed)
+    train = load_problems(d.paths)
+    evals = load_problems(d.eval_paths) if d.eval_paths else []
+    return train, evals
+
+
+async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:
+    """The run's progress snapshot, and the figures /v1/runs shows."""
+    version = (await session.execute(
+        select(func.coalesce(func.max(PolicyVersion.version), 0)).where(PolicyVersion.run_id == run_id))).scalar_one()
+    steps = (await session.execute(select(
+        func.count(LearnerStep.step), func.coalesce(func.sum(LearnerStep.dropped_stale), 0),
+    ).where(LearnerStep.run_id == run_id))).one()
+    dispatched = (await session.execute(
+        select(func.count()).select_from(RolloutTaskRow).where(RolloutTaskRow.run_id == run_id))).scalar_one()
+    given_up = (await session.execute(select(func.count()).select_from(RolloutTaskRow).where(
+        RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "failed"))).scalar_one()
+    groups = (await session.execute(select(
+        func.count(), func.count().filter(TrajectoryGroupRow.status == "dropped"), func.avg(TrajectoryGroupRow.pass_rate),
+    ).where(TrajectoryGroupRow.run_id == run_id))).one()
+    progress = control.Progress(
+        version=int(version), steps_done=int(steps[0]), dispatched=int(dispatched),
+        dropped=int(groups[1]) + int(steps[1]) + int(given_up),
+    )
+    figures = {"version": progress.version, "steps_done": progress.steps_done, "dispatched": progress.dispatched,
+               "dropped": progress.dropped, "groups_scored": int(groups[0]), "groups_dropped_no_signal": int(groups[1]),
+               "dropped_stale": int(steps[1]), "tasks_given_up": int(given_up),
+               "pass_rate_mean": float(groups[2]) if groups[2] is not None else None}
+    return progress, figures
+
+
+class OrchestratorService(Service):
+    name = "orchestrator"
+
+    def __init__(self, settings: Settings):
+        super().__init__(settings)
+        self.settings: Settings = settings
+        self._problems: dict[str, list[str]] = {}  # run_id -> problem ids of its training set
+
+    async def start(self, ctx: RuntimeContext) -> None:
+        await super().start(ctx)
+
+    async def run(self) -> None:
+        log = self.ctx.log
+        while not self._stop.is_set():
+            try:
+                await self.tick()
+            except Exception as exc:  # noqa: BLE001 - keep controlling; the DB/broker may be away
+                log.warning("tick_failed", error=repr(exc))
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.settings.tick_s)
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ one control pass
+    async def tick(self) -> None:
+        async with self.ctx.sessions() as session:
+            runs = (await session.execute(select(Run).where(Run.status.in_(ACTIVE)))).scalars().all()
+        for run in runs:
+            await self.control_run(run)
+
+    async def _start_run(self, run: Run, cfg: RunConfig) -> None:
+        train, _ = dataset_for(cfg)
+        name = cfg.dataset.kind if cfg.dataset.kind == "generated" else ",".join(cfg.dataset.paths)
+        async with self.ctx.sessions() as session:
+            for i in range(0, len(train), 500):
+                await session.execute(upsert(Problem, [
+                    {"run_id": run.run_id, "problem_id": p.problem_id, "dataset": name, "prompt": p.prompt, "answer": p.answer}
+                    for p in train[i:i + 500]]))
+            await session.execute(upsert(Stage, {"run_id": run.run_id, "stage": cfg.stages[0].stage, "status": "running",
+                                                 "started_at": utcnow(), "start_version": 0,
+                                                 "config": {"first_task_index": 0, **cfg.stages[0].model_dump()}}))
+            await session.execute(update(Run).where(Run.run_id == run.run_id).values(
+                status="running", current_stage=cfg.stages[0].stage))
+            await session.commit()
+        self.ctx.log.info("run_started", run_id=run.run_id, problems=len(train), stages=[s.stage for s in cfg.stages])
+
+    async def _problem_ids(self, run_id: str) -> list[str]:
+        if run_id not in self._problems:
+            async with self.ctx.sessions() as session:
+                rows = await session.execute(
+                    select(Problem.problem_id).where(Problem.run_id == run_id).order_by(Problem.problem_id))
+                self._problems[run_id] = [r[0] for r in rows]
+        return self._problems[run_id]
+
+    async def control_run(self, run: Run) -> None:
+        cfg = RunConfig.model_validate(run.config)
+        if run.status == "created":
+            await self._start_run(run, cfg)
+        run_id = run.run_id
+        now = utcnow()
+        async with self.ctx.sessions() as session:
+            # Tasks whose group was scored are done (the lease is released).
+            scored = select(TrajectoryGroupRow.group_id).where(TrajectoryGroupRow.run_id == run_id)
+            await session.execute(update(RolloutTaskRow).where(
+                RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "leased",
+                RolloutTaskRow.task_id.in_(scored)).values(status="done"))
+            await session.commit()
+            progress, _ = await run_progress(session, run_id)
+            position = control.stage_position(progress.steps_done, [s.steps for s in cfg.stages])
+            VERSION.labels(run_id).set(progress.version)
+            IN_FLIGHT.labels(run_id).set(progress.dispatched - progress.dropped - progress.steps_done * cfg.batch_groups)
+            if position.finished:
+                await session.execute(update(Stage).where(Stage.run_id == run_id, Stage.status == "running").values(
+                    status="done", ended_at=now))
+                await session.execute(update(Run).where(Run.run_id == run_id).values(
+                    status="finished", current_version=progress.version))
+                await session.commit()
+                self.ctx.log.info("run_finished", run_id=run_id, steps=progress.steps_done, version=progress.version)
+                return
+            stage_cfg = cfg.stages[position.index]
+            stage_row = await self._enter_stage(session, run_id, cfg, position.index, progress, now)
+            STAGE.labels(run_id).set(stage_cfg.stage)
+            await session.execute(update(Run).where(Run.run_id == run_id).values(
+                current_stage=stage_cfg.stage, current_version=progress.version))
+
+            # Leases past their deadline.
+            leased = (await session.execute(select(RolloutTaskRow).where(
+                RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "leased",
+                RolloutTaskRow.deadline <= now))).scalars().all()
+            by_id = {t.task_id: t for t in leased}
+            decision = control.expired_leases(
+                [control.Lease(t.task_id, t.deadline, t.attempts) for t in leased], now, max_attempts=cfg.max_task_attempts)
+            for lease in decision.give_up:
+                by_id[lease.task_id].status = "failed"
+                self.ctx.log.warning("task_given_up", run_id=run_id, task_id=lease.task_id, attempts=lease.attempts)
+            resend: list[RolloutTask] = []
+            for lease in decision.redispatch:
+                row = by_id[lease.task_id]
+                row.attempts += 1
+                row.deadline = control.new_deadline(now, cfg.task_timeout_s)
+                row.min_policy_version = progress.version
+                resend.append(await self._task_event(session, run_id, cfg, row, row.stage))
+            await session.commit()
+
+        for task in resend:
+            await self.ctx.producer.send(self.ctx.topic(topics.ROLLOUT_TASKS), task, key=task.problem_id)
+            TASKS_SENT.labels("redispatch").inc()
+            self.ctx.log.info("task_redispatched", run_id=run_id, task_id=task.task_id, attempt=task.attempt)
+
+        # New tasks within the admission budget.
+        budget = min(control.admission_budget(progress, batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness),
+                     self.settings.max_dispatch_per_tick)
+        if budget <= 0:
+            return
+        stage_ids = stage_row.config.get("problem_ids") or await self._problem_ids(run_id)
+        first = int(stage_row.config.get("first_task_index", 0))
+        new_rows = []
+        for i in range(progress.dispatched, progress.dispatched + budget):
+            pid = control.problem_at(i - first, stage_ids, cfg.seed * 1000 + stage_cfg.stage)
+            new_rows.append(RolloutTaskRow(
+                task_id=new_id(), run_id=run_id, stage=stage_cfg.stage, problem_id=pid, status="leased",
+                deadline=control.new_deadline(now, cfg.task_timeout_s), attempts=1, min_policy_version=progress.version,
+                lease_owner=None))
+        async with self.ctx.sessions() as session:
+            session.add_all(new_rows)
+            await session.commit()
+            events = [await self._task_event(session, run_id, cfg, r, r.stage) for r in new_rows]
+        for task in events:
+            await self.ctx.producer.send(self.ctx.topic(topics.ROLLOUT_TASKS), task, key=task.problem_id)
+            TASKS_SENT.labels("new").inc()
+
+    async def _enter_stage(self, session, run_id: str, cfg: RunConfig, index: int, progress: control.Progress,
+                           now: datetime) -> Stage:
+        """The Stage row of stage ``index``, created (with its problem list) on first entry."""
+        stage_cfg = cfg.stages[index]
+        row = (await session.execute(select(Stage).where(Stage.run_id == run_id, Stage.stage == stage_cfg.stage))).scalar_one_or_none()
+        if row is not None:
+            return row
+        await session.execute(update(Stage).where(Stage.run_id == run_id, Stage.status == "running").values(
+            status="done", ended_at=now))
+        config: dict = {"first_task_index": progress.dispatched, **stage_cfg.model_dump()}
+        if stage_cfg.only_hard:
+            all_ids = await self._problem_ids(run_id)
+            stats = (await session.execute(select(Problem.problem_id, Problem.last_attempts, Problem.last_successes)
+                                           .where(Problem.run_id == run_id))).all()
+            kept = control.hard_problems([control.ProblemStats(*s) for s in stats], all_ids,
+                                         min_attempts=cfg.solved_min_attempts)
+            if not kept:
+                kept = all_ids  # every problem is solved: nothing is "hard"; keep training on all
+                self.ctx.log.warning("stage_hard_filter_empty", run_id=run_id, stage=stage_cfg.stage)
+            config["problem_ids"] = kept
+            config["dropped_solved"] = len(all_ids) - len(kept)
+        row = Stage(run_id=run_id, stage=stage_cfg.stage, status="running", started_at=now,
+                    start_version=progress.version, config=config)
+        session.add(row)
+        await session.flush()
+        self.ctx.log.info("stage_entered", run_id=run_id, stage=stage_cfg.stage, version=progress.version,
+                          problems=len(config.get("problem_ids", [])) or None,
+                          dropped_solved=config.get("dropped_solved"))
+        return row
+
+    async def _task_event(self, session, run_id: str, cfg: RunConfig, row: RolloutTaskRow, stage: int) -> RolloutTask:
+        prob = (await session.execute(select(Problem.prompt, Problem.answer).where(
+            Problem.run_id == run_id, Problem.problem_id == row.problem_id))).one()
+        stage_cfg = next(s for s in cfg.stages if s.stage == stage)
+        return RolloutTask(
+            task_id=row.task_id, run_id=run_id, stage=stage, problem_id=row.problem_id, prompt=prob.prompt,
+            answer=prob.answer, n_samples=cfg.n_samples,
+            sampling=SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                                    max_tokens=stage_cfg.max_tokens, max_turns=stage_cfg.max_turns),
+            min_policy_version=row.min_policy_version, deadline=row.deadline, attempt=row.attempts)
+
+    # ------------------------------------------------------------------ HTTP
+    def router(self) -> APIRouter:
+        r = APIRouter()
+
+        @r.get("/v1/runs")
+        async def runs() -> list[dict]:
+            async with self.ctx.sessions() as session:
+                rows = (await session.execute(select(Run).order_by(Run.created_at.desc()).limit(100))).scalars().all()
+            return [{"run_id": x.run_id, "name": x.name, "status": x.status, "stage": x.current_stage,
+                     "version": x.current_version} for x in rows]
+
+        @r.get("/v1/runs/{run_id}")
+        async def run_status(run_id: str) -> dict:
+            async with self.ctx.sessions() as session:
+                run = (await session.execute(select(Run).where(Run.run_id == run_id))).scalar_one_or_none()
+                if run is None:
+                    raise HTTPException(404, f"no run {run_id!r}")
+                _, figures = await run_progress(session, run_id)
+            return {"run_id": run.run_id, "name": run.name, "status": run.status, "stage": run.current_stage, **figures}
+
+        return r
+
+
+def build_service(settings: Settings) -> OrchestratorService:
+    return OrchestratorService(settings)
+
+
+async def create_run(sessions, cfg: RunConfig, *, run_id: str | None = None) -> str:
+    """Record a run (status ``created``); the orchestrator service starts it on its next pass."""
+    run_id = run_id or f"{cfg.name}-{new_id()[:8]}"
+    async with sessions() as session:
+        session.add(Run(run_id=run_id, name=cfg.name, config=cfg.model_dump(mode="json"), status="created"))
+        await session.commit()
+    return run_id

@@ -1,0 +1,98 @@
+"""The orchestrator's pure control logic: admission keeps staleness within η, leases,
+stages, the stage-3 hard filter."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.orchestrator import control
+from services.orchestrator.control import Lease, Progress, ProblemStats
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def test_admission_budget_formula():
+    # (η + v + 1)·B groups may be live; already live ones count against it.
+    assert control.admission_budget(Progress(0, 0, 0, 0), batch_groups=4, max_staleness=0) == 4
+    assert control.admission_budget(Progress(0, 0, 4, 0), batch_groups=4, max_staleness=0) == 0
+    assert control.admission_budget(Progress(1, 1, 4, 0), batch_groups=4, max_staleness=0) == 4
+    assert control.admission_budget(Progress(0, 0, 0, 0), batch_groups=4, max_staleness=2) == 12
+    # dropped groups never reach the learner: they free their place
+    assert control.admission_budget(Progress(0, 0, 4, 3), batch_groups=4, max_staleness=0) == 3
+    assert control.admission_budget(Progress(0, 0, 50, 0), batch_groups=4, max_staleness=0) == 0  # never negative
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batch=st.integers(1, 6),
+    eta=st.integers(0, 3),
+    events=st.lists(st.sampled_from(["tick", "score", "drop"]), min_size=1, max_size=200),
+)
+def test_simulated_run_never_exceeds_staleness(batch, eta, events):
+    """Simulate an async run: the orchestrator admits by the budget, groups finish in order,
+    some are dropped, the learner steps every B trainable groups. Every trained group's
+    staleness (training version − admission version) stays within η."""
+    version, dispatched, dropped = 0, 0, 0
+    queue: list[int] = []  # admission versions of admitted, unfinished groups (FIFO)
+    ready: list[int] = []  # scored, waiting for the learner
+    for ev in events:
+        if ev == "tick":
+            n = control.admission_budget(Progress(version, version, dispatched, dropped),
+                                         batch_groups=batch, max_staleness=eta)
+            queue.extend([version] * n)
+            dispatched += n
+        elif queue:
+            v = queue.pop(0)
+            if ev == "drop":
+                dropped += 1
+            else:
+                ready.append(v)
+        while len(ready) >= batch:
+            step_groups, ready = ready[:batch], ready[batch:]
+            assert all(version - v <= eta for v in step_groups), (version, step_groups)
+            version += 1
+
+
+def test_staleness_bound_checker():
+    assert control.staleness_bound_holds([0, 0, 0, 0, 1, 1], batch_groups=2, max_staleness=1)
+    assert not control.staleness_bound_holds([0, 0, 0, 0, 0], batch_groups=2, max_staleness=1)
+
+
+def test_expired_leases_redispatch_then_give_up():
+    leases = [Lease("a", T0 - timedelta(seconds=1), 1), Lease("b", T0 + timedelta(seconds=5), 1),
+              Lease("c", T0, 3)]
+    d = control.expired_leases(leases, T0, max_attempts=3)
+    assert [x.task_id for x in d.redispatch] == ["a"]
+    assert [x.task_id for x in d.give_up] == ["c"]
+    assert control.new_deadline(T0, 30) == T0 + timedelta(seconds=30)
+
+
+def test_stage_position():
+    steps = [3, 2, 4]
+    assert [control.stage_position(i, steps).index for i in range(9)] == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    assert control.stage_position(9, steps).finished
+    assert not control.stage_position(8, steps).finished
+
+
+def test_hard_filter_drops_exactly_the_problems_solved_every_time():
+    stats = [
+        ProblemStats("solved8", 8, 8),    # solved 8/8 -> dropped
+        ProblemStats("solved32", 32, 32),  # solved 32/32 -> dropped
+        ProblemStats("almost", 8, 7),      # 7/8 -> kept
+        ProblemStats("few", 4, 4),         # too few attempts to call it solved -> kept
+        ProblemStats("never", 8, 0),
+    ]
+    ids = ["never", "solved8", "unseen", "almost", "solved32", "few"]
+    assert control.hard_problems(stats, ids, min_attempts=8) == ["never", "unseen", "almost", "few"]
+
+
+def test_problem_feed_is_a_deterministic_epoch_permutation():
+    ids = [f"p{i}" for i in range(7)]
+    first_epoch = [control.problem_at(i, ids, seed=3) for i in range(7)]
+    assert sorted(first_epoch) == ids  # every problem once per epoch
+    assert first_epoch == [control.problem_at(i, ids, seed=3) for i in range(7)]
+    assert sorted(control.problem_at(i, ids, seed=3) for i in range(7, 14)) == ids
+    with pytest.raises(ValueError):
+        control.problem_at(0, [], seed=0)
