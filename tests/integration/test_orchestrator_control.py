@@ -1,0 +1,194 @@
+"""The orchestrator service on the real broker and PostgreSQL. The downstream services' effects
+(scored groups, learner steps, weight versions) are written as the rows those services write,
+so the orchestrator's admission, leases, stages and finish can be driven step by step."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+import yaml
+from aiokafka import AIOKafkaConsumer
+from sqlalchemy import select, update
+
+from services.orchestrator.config import Settings
+from services.orchestrator.run_config import RunConfig, RunConfigError, load_run_config
+from services.orchestrator.runtime import OrchestratorService, create_run, utcnow
+from shared import topics
+from shared.db.models import LearnerStep, PolicyVersion, Problem, RolloutTaskRow, Run, Stage, TrajectoryGroupRow
+from shared.db.session import session_factory, upsert
+from shared.events import RolloutTask, decode
+from shared.runtime import run_service
+from shared.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+
+class TaskReader:
+    def __init__(self, bootstrap: str, topic_name: str):
+        self.consumer = AIOKafkaConsumer(topic_name, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+        self.tasks: list[RolloutTask] = []
+
+    async def read(self, n: int, timeout: float = 60.0) -> list[RolloutTask]:
+        async def _go():
+            while len(self.tasks) < n:
+                for recs in (await self.consumer.getmany(timeout_ms=200)).values():
+                    self.tasks.extend(decode(r.value, RolloutTask).payload for r in recs)
+        await asyncio.wait_for(_go(), timeout)
+        return self.tasks
+
+    async def quiet(self, seconds: float = 2.0) -> int:
+        """Read for a while; return how many tasks arrived."""
+        before = len(self.tasks)
+        end = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < end:
+            for recs in (await self.consumer.getmany(timeout_ms=200)).values():
+                self.tasks.extend(decode(r.value, RolloutTask).payload for r in recs)
+        return len(self.tasks) - before
+
+
+async def _score(sessions, run_id: str, task_ids: list[str], *, dropped: bool = False, solved: dict | None = None):
+    """What the reward service writes for a scored group."""
+    async with sessions() as s:
+        for tid in task_ids:
+            task = (await s.execute(select(RolloutTaskRow).where(RolloutTaskRow.task_id == tid))).scalar_one()
+            await s.execute(upsert(TrajectoryGroupRow, dict(
+                run_id=run_id, group_id=tid, stage=task.stage, problem_id=task.problem_id, min_version=0, max_version=0,
+                n_total=8, n_correct=8 if (solved or {}).get(task.problem_id) else 2, pass_rate=0.25, n_selected=4,
+                all_equal=dropped, roc_mode="roc", roc_stats={}, status="dropped" if dropped else "published",
+                kafka_topic="t", kafka_partition=0, kafka_offset=0)))
+        await s.commit()
+
+
+async def _learner_step(sessions, run_id: str, step: int):
+    """What the learner writes after a step."""
+    async with sessions() as s:
+        await s.execute(upsert(LearnerStep, dict(run_id=run_id, step=step, version=step, n_groups=2)))
+        await s.execute(upsert(PolicyVersion, dict(run_id=run_id, version=step, step=step, stage=1,
+                                                   uri="file:///x", sha256="0" * 64)))
+        await s.commit()
+
+
+async def _wait(cond, timeout=30.0):
+    end = asyncio.get_running_loop().time() + timeout
+    while not await cond():
+        assert asyncio.get_running_loop().time() < end, "condition not met in time"
+        await asyncio.sleep(0.2)
+
+
+async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine, tmp_path):
+    sessions = session_factory(db_engine)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = RunConfig(
+        name="ctl", model=str(model), dataset={"kind": "generated", "n_train": 6, "n_eval": 2, "seed": 1},
+        group_size=4, n_samples=8, batch_groups=2, max_staleness=1, task_timeout_s=3600, solved_min_attempts=8,
+        stages=[{"stage": 1, "steps": 2, "max_tokens": 512, "max_turns": 3},
+                {"stage": 3, "steps": 1, "max_tokens": 768, "max_turns": 4}],
+    )
+    settings = load_settings(Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
+                             topic_prefix=topic_prefix, port=0, tick_s=0.2)
+    settings.port = __import__("shared.stack", fromlist=["x"])._free_port()
+    svc = OrchestratorService(settings)
+    task = asyncio.create_task(run_service(svc, settings, install_signals=False))
+    reader = TaskReader(stack.kafka_bootstrap, topic_prefix + topics.ROLLOUT_TASKS.name)
+    await reader.consumer.start()
+    try:
+        run_id = await create_run(sessions, cfg)
+        # (η + v + 1)·B = (1 + 0 + 1)·2 = 4 tasks, and no more until the learner moves.
+        first = await reader.read(4)
+        assert await reader.quiet(1.5) == 0
+        assert {t.stage for t in first} == {1} and all(t.n_samples == 8 for t in first)
+        assert first[0].sampling.max_tokens == 512 and first[0].sampling.max_turns == 3
+        assert all(t.min_policy_version == 0 and t.attempt == 1 for t in first)
+        async with sessions() as s:
+            assert (await s.execute(select(Run.status).where(Run.run_id == run_id))).scalar_one() == "running"
+            assert len((await s.execute(select(Problem).where(Problem.run_id == run_id))).all()) == 6
+
+        # A dropped group (no signal) frees its place at once.
+        await _score(sessions, run_id, [first[0].task_id], dropped=True)
+        await reader.read(5)
+        # Two groups trained -> version 1 -> budget (1+1+1)·2 = 6 live.
+        await _score(sessions, run_id, [t.task_id for t in first[1:3]])
+        await _learner_step(sessions, run_id, 1)
+        tasks = await reader.read(7)
+        assert tasks[-1].min_policy_version == 1
+
+        # An expired lease is re-dispatched under the same task id with attempt 2.
+        victim = tasks[3].task_id
+        async with sessions() as s:
+            await s.execute(update(RolloutTaskRow).where(RolloutTaskRow.task_id == victim).values(
+                deadline=utcnow() - timedelta(seconds=1)))
+            await s.commit()
+        await reader.read(8)
+        again = [t for t in reader.tasks if t.task_id == victim]
+        assert [t.attempt for t in again] == [1, 2]
+        async with sessions() as s:
+            row = (await s.execute(select(RolloutTaskRow).where(RolloutTaskRow.task_id == victim))).scalar_one()
+            assert row.attempts == 2 and row.status == "leased"
+
+        # Stage 3 after 2 steps: problems solved 8/8 in their last group are no longer fed.
+        async with sessions() as s:
+            pids = [p for (p,) in (await s.execute(select(Problem.problem_id).where(Problem.run_id == run_id)))]
+            solved = pids[:2]
+            for pid in solved:
+                await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pid).values(
+                    last_attempts=8, last_successes=8))
+            await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pids[2]).values(
+                last_attempts=8, last_successes=7))
+            await s.commit()
+        await _learner_step(sessions, run_id, 2)
+        n_before = len(reader.tasks)
+        await reader.read(n_before + 2)
+
+        async def stage3_row():
+            async with sessions() as s:
+                return (await s.execute(select(Stage).where(Stage.run_id == run_id, Stage.stage == 3))).scalar_one_or_none()
+        await _wait(stage3_row)
+        st3 = await stage3_row()
+        assert st3.config["dropped_solved"] == 2 and set(st3.config["problem_ids"]) == set(pids) - set(solved)
+        stage3_tasks = [t for t in reader.tasks if t.stage == 3]
+        assert stage3_tasks and all(t.problem_id not in solved for t in stage3_tasks)
+        assert stage3_tasks[0].sampling.max_turns == 4
+
+        # Last step -> run finished, nothing more dispatched.
+        await _learner_step(sessions, run_id, 3)
+
+        async def finished():
+            async with sessions() as s:
+                return (await s.execute(select(Run.status).where(Run.run_id == run_id))).scalar_one() == "finished"
+        await _wait(finished)
+        await reader.quiet(0.5)
+        assert await reader.quiet(1.0) == 0
+    finally:
+        await reader.consumer.stop()
+        svc.request_stop()
+        await asyncio.wait_for(task, 30)
+
+
+def test_bad_run_configs_fail_clearly(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    good = {"model": str(model), "stages": [{"stage": 1, "steps": 1, "max_tokens": 10, "max_turns": 1}]}
+
+    def write(d):
+        p = tmp_path / "run.yaml"
+        p.write_text(yaml.safe_dump(d))
+        return p
+
+    assert load_run_config(write(good)).n_samples == 32
+    cases = [
+        ({**good, "group_size": 8, "n_samples": 4}, "n_samples (4) must be >= group_size (8)"),
+        ({**good, "stages": [{"stage": 2, "steps": 1, "max_tokens": 1, "max_turns": 1},
+                             {"stage": 1, "steps": 1, "max_tokens": 1, "max_turns": 1}]}, "increasing order"),
+        ({**good, "bogus": 1}, "bogus: Extra inputs are not permitted"),
+        ({**good, "model": str(tmp_path / "nope")}, "is not a model directory"),
+        ({**good, "dataset": {"kind": "file"}}, "needs dataset.paths"),
+        ({**good, "max_staleness": -1}, "max_staleness"),
+    ]
+    for data, reason in cases:
+        with pytest.raises(RunConfigError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+            load_run_config(write(data))
