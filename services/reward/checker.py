@@ -88,8 +88,9 @@ class AnswerChecker:
             return Verdict(False, "timeout", f"symbolic check exceeded {self.timeout_s}s")
         except ProcessExpired as exc:  # this input killed its worker (e.g. memory blow-up)
             return Verdict(False, "error", f"checker worker died: {exc}")
-        except (BrokenProcessPool, RuntimeError) as exc:
-            # the pool itself is gone: an outage, not a wrong answer; the consumer retries
+        except BrokenProcessPool as exc:
+            # the pool itself is gone: an outage, not a wrong answer (a RecursionError raised by
+            # sympy is a RuntimeError too, so only the pool's own error qualifies here)
             raise CheckerUnavailable(f"answer-checking pool failed: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - a check that raises is a failed check, not a crash
             return Verdict(False, "error", f"{type(exc).__name__}: {exc}")
