@@ -146,6 +146,12 @@ class PolicyTrainer:
     def current_lr(self) -> float:
         return self.cfg.lr * lr_factor(self.steps_done - self._sched_offset, self.cfg)
 
+    def set_lr(self, lr: float) -> None:
+        """Set the LR of the next update directly (callers with their own schedule, e.g. SFT on a
+        time budget); the built-in schedule takes over again after the update."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def _apply_lr(self) -> None:
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
