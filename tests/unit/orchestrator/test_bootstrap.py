@@ -1,0 +1,91 @@
+"""Bootstrap: settings hashing, a seconds-long SFT run through the learner's trainer, caching."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared import chat_format as cf
+from services.orchestrator.bootstrap import (
+    BOOTSTRAP_INFO,
+    BootstrapSettings,
+    bootstrap_tiny_model,
+    extract_int_answer,
+    run_model_code,
+    sft_model_dir,
+    training_sequences,
+)
+
+# A seconds-long run: small batches, short warm-up, a high LR so the loss visibly drops.
+SMOKE = dict(steps=4, batch_sequences=3, warmup_steps=1, lr=1e-2, row_tokens=512, micro_batch_tokens=1024)
+
+
+def test_digest_changes_with_what_changes_the_model(tmp_path):
+    base = BootstrapSettings(seed=0, minutes=8)
+    assert base.digest() == BootstrapSettings(seed=0, minutes=8, threads=2).digest()
+    assert base.digest() != BootstrapSettings(seed=1, minutes=8).digest()
+    assert base.digest() != BootstrapSettings(seed=0, minutes=9).digest()
+    assert base.digest() != BootstrapSettings(seed=0, minutes=8, lr=1e-3).digest()
+    # With a fixed step count the time budget does not matter.
+    assert BootstrapSettings(steps=5, minutes=1).digest() == BootstrapSettings(steps=5, minutes=2).digest()
+    assert sft_model_dir(tmp_path, base).name == f"tiny-sft-{base.digest()}"
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        BootstrapSettings(minutes=0)
+    with pytest.raises(ValueError):
+        BootstrapSettings(steps=0)
+
+
+def test_training_sequences_are_fresh_train_problems(tiny_model_dir, tokenizer):
+    stream = training_sequences(0, tokenizer)
+    seqs = [next(stream) for _ in range(20)]
+    assert len({tuple(s.prompt_ids) for s in seqs}) == 20
+    for s in seqs:
+        assert len(s.loss_mask) == len(s.response_ids) and s.loss_mask[-1] == 1
+
+
+def test_smoke_training_lowers_the_loss_and_is_cached(tmp_path):
+    calls = []
+    path = bootstrap_tiny_model(tmp_path, seed=0, log=calls.append, **SMOKE)
+    assert len(calls) == SMOKE["steps"]
+    info = json.loads((path / BOOTSTRAP_INFO).read_text())
+    assert info["train"]["steps"] == SMOKE["steps"]
+    assert info["train"]["final_loss"] < info["train"]["first_loss"] - 0.5
+    assert calls[-1]["loss"] < calls[0]["loss"]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (path / name).is_file(), name
+    # The trained weights load in transformers and differ from the random init.
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(path)
+    trained = load_file(path / "model.safetensors")
+    init = load_file(__import__("pathlib").Path(info["base_model"]) / "model.safetensors")
+    assert trained.keys() == init.keys()
+    assert any(not (trained[k] == init[k]).all() for k in trained)
+    # Second call: reused, no training (the log callback is never called).
+    again = []
+    assert bootstrap_tiny_model(tmp_path, seed=0, log=again.append, **SMOKE) == path
+    assert again == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_run_model_code_limits_and_output():
+    ok, out = run_model_code("print(2 ** 10)")
+    assert ok and out == "1024"
+    ok, out = run_model_code("import sys\nprint(undefined_name)")
+    assert not ok and out.endswith("NameError: name 'undefined_name' is not defined")
+    ok, out = run_model_code("while True:\n    pass")
+    assert not ok and ("TimeoutError" in out or out == "")
+    ok, out = run_model_code("x = bytearray(4 << 30)")
+    assert not ok and "MemoryError" in out
+
+
+def test_extract_int_answer():
+    assert extract_int_answer("blah " + cf.format_answer("-42") + cf.IM_END) == "-42"
+    assert extract_int_answer("\\boxed{7} but no answer tag") is None
+    assert extract_int_answer(cf.format_answer("3.5")) is None
+    assert extract_int_answer(cf.format_answer("007")) == "7"
