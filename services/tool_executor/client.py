@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 import zlib
 from collections.abc import Sequence
@@ -117,41 +118,54 @@ class ToolExecutorClient:
             body["memory_mb"] = self.default_memory_mb
         return {k: v for k, v in body.items() if v is not None}
 
+    async def _attempt(self, path: str, payload: bytes, session_id: str | None, failures: list[str]) -> httpx.Response:
+        i = self._pick(session_id)
+        self.outstanding[i] += 1
+        try:
+            resp = await self._http.post(self.urls[i] + path, content=payload, headers={"content-type": "application/json"})
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            self._down_until[i] = time.monotonic() + self.down_s
+            failures.append(f"{self.urls[i]}: {exc!r}")
+            raise _Retryable() from exc
+        except httpx.TimeoutException as exc:
+            raise ToolExecutorUnavailable(f"{self.urls[i]}{path}: no answer in time ({exc!r})") from exc
+        finally:
+            self.outstanding[i] -= 1
+        if resp.status_code == 429 or resp.status_code in (502, 503, 504):
+            failures.append(f"{self.urls[i]}: HTTP {resp.status_code}")
+            raise _Retryable()
+        if resp.status_code == 422:
+            raise ToolExecutorRequestError(f"invalid request: {resp.json().get('detail')}")
+        if resp.status_code != 200:
+            raise ToolExecutorUnavailable(f"{self.urls[i]}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp
+
     async def _post(self, path: str, body: dict[str, Any], session_id: str | None) -> httpx.Response:
         """POST with retries on backpressure and connection failures."""
         payload = orjson.dumps(body)
-        last: list[str] = []
+        failures: list[str] = []
+        try:
+            # The first attempt goes straight out (the common case, kept cheap); retries use
+            # tenacity's exponential backoff with jitter.
+            return await self._attempt(path, payload, session_id, failures)
+        except _Retryable:
+            if self.max_attempts <= 1:
+                raise ToolExecutorUnavailable(f"tool executor unavailable: {'; '.join(failures)}") from None
         try:
             async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(self.max_attempts),
-                wait=wait_exponential_jitter(initial=self.backoff_initial_s, max=self.backoff_max_s),
+                stop=stop_after_attempt(self.max_attempts - 1),
+                wait=wait_exponential_jitter(multiplier=self.backoff_initial_s, max=self.backoff_max_s, jitter=self.backoff_initial_s),
                 retry=retry_if_exception_type(_Retryable),
                 reraise=True,
+                before_sleep=None,
             ):
                 with attempt:
-                    i = self._pick(session_id)
-                    self.outstanding[i] += 1
-                    try:
-                        resp = await self._http.post(self.urls[i] + path, content=payload, headers={"content-type": "application/json"})
-                    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-                        self._down_until[i] = time.monotonic() + self.down_s
-                        last.append(f"{self.urls[i]}: {exc!r}")
-                        raise _Retryable() from exc
-                    except httpx.TimeoutException as exc:
-                        raise ToolExecutorUnavailable(f"{self.urls[i]}{path}: no answer in time ({exc!r})") from exc
-                    finally:
-                        self.outstanding[i] -= 1
-                    if resp.status_code == 429 or resp.status_code in (502, 503, 504):
-                        last.append(f"{self.urls[i]}: HTTP {resp.status_code}")
-                        raise _Retryable()
-                    if resp.status_code == 422:
-                        raise ToolExecutorRequestError(f"invalid request: {resp.json().get('detail')}")
-                    if resp.status_code != 200:
-                        raise ToolExecutorUnavailable(f"{self.urls[i]}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
-                    return resp
+                    if attempt.retry_state.attempt_number == 1:
+                        await asyncio.sleep(self.backoff_initial_s * random.random())
+                    return await self._attempt(path, payload, session_id, failures)
         except _Retryable:
             pass
-        raise ToolExecutorUnavailable(f"tool executor unavailable after {self.max_attempts} attempts: {'; '.join(last[-3:])}")
+        raise ToolExecutorUnavailable(f"tool executor unavailable after {self.max_attempts} attempts: {'; '.join(failures[-3:])}")
 
     # -- API -----------------------------------------------------------------------------
     async def execute(
