@@ -283,3 +283,51 @@ async def test_replay_rescores_into_a_new_run_and_leaves_the_original_alone(stac
     assert len(stream) == first_in_partition and all(g.run_id == run_a and g.roc_mode == "grpo" for g in stream)
     # the live scored topic got nothing from the analysis replay
     assert len(await read_topic(stack.kafka_bootstrap, topic_prefix + topics.SCORED.name, expect=3)) == 3
+
+
+async def test_a_new_attempt_of_an_unpublished_group_takes_its_place(stack, topic_prefix, tmp_path, db_engine):
+    """Recorded but never published (crash), then the task was re-dispatched: the new attempt
+    (same group id, other trajectories) is published once, the problem counted once."""
+    sessions = session_factory(db_engine)
+    settings = settings_for(stack, topic_prefix, tmp_path)
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    traj_topic = topic_prefix + topics.TRAJECTORIES.name
+    scored_topic = topic_prefix + topics.SCORED.name
+    first = make_group(run_id)
+    second = make_group(run_id, group_id=first.group_id).model_copy(update={"problem_id": first.problem_id})
+    second.trajectories = [t.model_copy(update={"traj_id": f"retry-{t.traj_id}"}) for t in second.trajectories]
+    async with running_reward(settings):
+        await produce(stack, traj_topic, [(first.group_id, encode(first))])
+        await wait_for_row(sessions, run_id, first.group_id, "published")
+        async with sessions() as s, s.begin():  # the publish "never happened"
+            await s.execute(update(TrajectoryGroupRow).where(
+                TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id == first.group_id).values(status="scored"))
+        republished_before = counter("republished")
+        await produce(stack, traj_topic, [(second.group_id, encode(second))])
+        for _ in range(300):
+            if counter("republished") > republished_before:
+                break
+            await asyncio.sleep(0.1)
+        row = await wait_for_row(sessions, run_id, first.group_id, "published")
+    records = await read_topic(stack.kafka_bootstrap, scored_topic, expect=2)
+    latest = decode(records[-1].value, ScoredGroup).payload
+    assert all(s.trajectory.traj_id.startswith("retry-") for s in latest.selected)
+    assert row.roc_stats["traj_ids"][0].startswith("retry-")
+    prob = await problem_row(sessions, run_id, first.problem_id)
+    assert (prob.attempts, prob.successes) == (8, 4)
+
+
+async def test_two_replicas_in_one_consumer_group_publish_each_group_once(stack, topic_prefix, tmp_path, db_engine):
+    sessions = session_factory(db_engine)
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    traj_topic = topic_prefix + topics.TRAJECTORIES.name
+    groups = [make_group(run_id) for _ in range(12)]
+    a = settings_for(stack, topic_prefix, tmp_path / "a")
+    b = settings_for(stack, topic_prefix, tmp_path / "b")
+    async with running_reward(a), running_reward(b):
+        await produce(stack, traj_topic, [(g.group_id, encode(g)) for g in groups])
+        for g in groups:
+            await wait_for_row(sessions, run_id, g.group_id, "published")
+    records = await read_topic(stack.kafka_bootstrap, topic_prefix + topics.SCORED.name, expect=12)
+    ids = sorted(decode(r.value, ScoredGroup).payload.group_id for r in records)
+    assert ids == sorted(g.group_id for g in groups)
