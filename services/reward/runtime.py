@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import ConsumerRecord

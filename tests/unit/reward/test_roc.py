@@ -16,9 +16,9 @@ from services.reward.roc import (
     Candidate,
     RocConfig,
     advantages,
+    group_rng,
     penalties,
     positive_count,
-    group_rng,
     score_group,
     select,
 )
@@ -226,7 +226,7 @@ def test_advantages_are_standardised():
 
 def make_group(correct_pattern: list[bool], gid: str = "grp-1") -> TrajectoryGroup:
     trajs = []
-    for i, ok in enumerate(correct_pattern):
+    for i in range(len(correct_pattern)):
         statuses = ["ok"] if i % 3 else ["ok", "error"]
         t = traj(statuses, turns=2, versions=[i % 4] * 3)
         trajs.append(t.model_copy(update={"traj_id": f"t{i}"}))
