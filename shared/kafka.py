@@ -147,7 +147,7 @@ async def ensure_topics(
 
 
 class EventProducer:
-    """Produces events in their envelope. acks=all and gzip; not idempotent (the embedded broker
+    """Produces events in their envelope. acks=all and zstd; not idempotent (the embedded broker
     does not support it), so consumers dedupe."""
 
     def __init__(self, bootstrap: str, *, client_id: str = "rstar", linger_ms: int = 5):
@@ -155,7 +155,7 @@ class EventProducer:
             bootstrap_servers=bootstrap,
             client_id=client_id,
             acks="all",
-            compression_type="gzip",
+            compression_type="zstd",
             max_request_size=MAX_REQUEST_BYTES,
             linger_ms=linger_ms,
             request_timeout_ms=30000,
