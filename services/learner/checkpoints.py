@@ -68,11 +68,20 @@ class LearnerState:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
-def weights_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors under their HF names, each storage once (tied ``lm_head`` dropped as HF does)."""
+def weights_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None,
+                       state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors under their HF names, each storage once; a tied output layer is
+    dropped as HF ``save_pretrained`` does (vLLM and HF re-tie it on load).
+
+    ``state``: an already gathered state dict (FSDP2's full state dict on rank 0), else the
+    model's own.
+    """
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (state if state is not None else model.state_dict()).items():
+        if tied and name == "lm_head.weight":
+            continue
         key = tensor.untyped_storage().data_ptr()
         if key in seen:
             continue

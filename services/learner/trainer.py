@@ -24,18 +24,22 @@ result goes. One call of :meth:`PolicyTrainer.train_step` is one GRPO step on a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from services.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from services.learner.loss import LossConfig, LossStats, policy_loss, sft_loss
 from services.learner.packing import MicroBatch, TrainSequence, pack
+
+if TYPE_CHECKING:
+    from services.learner.distributed import DataParallel
 
 Schedule = Literal["constant", "cosine"]
 
@@ -101,6 +105,44 @@ def lr_factor(step: int, cfg: TrainerConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class LogprobModel(torch.nn.Module):
+    """The policy as the trainer uses it: packed rows in, log-probabilities of the loss tokens out.
+
+    A module (rather than a method) so that FSDP2 can wrap it as the root: the output layer's
+    weight, used outside the HF model's own forward by the chunked log-prob function, is then
+    gathered by the root's pre-forward hook like every other root parameter.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int, autocast_dtype: torch.dtype | None):
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.autocast_dtype = autocast_dtype
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("output layers with a bias are not supported")
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pred_index: torch.Tensor,
+                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = (torch.autocast(device_type=input_ids.device.type, dtype=self.autocast_dtype)
+               if self.autocast_dtype is not None else nullcontext())
+        with ctx:
+            hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                              use_cache=False).last_hidden_state
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pred_index)
+        return chunked_token_logprobs(flat, self.model.get_output_embeddings().weight, targets, self.chunk_tokens)
+
+
+def _empty_micro_batch(pad_id: int) -> MicroBatch:
+    return MicroBatch(input_ids=[[pad_id]], position_ids=[[0]])
+
+
+def _with_one_token(mb: MicroBatch) -> MicroBatch:
+    """A micro-batch with a single (ignored) prediction so the output layer joins the graph."""
+    return MicroBatch(input_ids=mb.input_ids, position_ids=mb.position_ids, pred_index=[0], targets=[mb.input_ids[0][0]],
+                      behaviour=[0.0], advantages=[0.0], seq_of_token=[-1], n_tokens=0)
+
+
 @dataclass
 class StepResult:
     metrics: dict[str, float]
@@ -110,7 +152,8 @@ class StepResult:
 class PolicyTrainer:
     """Owns the model, the optimizer and the LR schedule; trains on batches of sequences."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, pad_id: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, pad_id: int = 0,
+                 dist: "DataParallel | None" = None) -> None:
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
@@ -119,10 +162,10 @@ class PolicyTrainer:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        self.body = model.get_decoder()
-        self.head = model.get_output_embeddings()
-        if getattr(self.head, "bias", None) is not None:
-            raise ValueError("output layers with a bias are not supported")
+        self.net = LogprobModel(model, cfg.logits_chunk_tokens, self.autocast_dtype)
+        self.dist = dist
+        if dist is not None:
+            dist.shard(self.net)
         self.steps_done = 0
         self.optimizer_resets = 0
         self._build_optimizer()
@@ -174,43 +217,59 @@ class PolicyTrainer:
         self._apply_lr()
 
     # ------------------------------------------------------------------ forward
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
     def forward_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log π(target) per loss token, entropy per loss token) for one micro-batch."""
         ids = torch.tensor(mb.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(mb.position_ids, dtype=torch.long, device=self.device)
-        with self._autocast():
-            hidden = self.body(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-        flat = hidden.reshape(-1, hidden.shape[-1])
         index = torch.tensor(mb.pred_index, dtype=torch.long, device=self.device)
         targets = torch.tensor(mb.targets, dtype=torch.long, device=self.device)
-        return chunked_token_logprobs(flat.index_select(0, index), self.head.weight, targets,
-                                      self.cfg.logits_chunk_tokens)
+        return self.net(ids, pos, index, targets)
 
     def _split_updates(self, sequences: list[TrainSequence]) -> list[list[TrainSequence]]:
-        k = min(self.cfg.updates_per_step, len(sequences))
+        # Under data parallelism every rank must run the same number of updates.
+        k = self.cfg.updates_per_step if self.dist is not None else min(self.cfg.updates_per_step, len(sequences))
         return [sequences[i::k] for i in range(k)]
+
+    def _plan(self, sequences: list[TrainSequence]) -> list[tuple[list[MicroBatch], float, float]]:
+        """Per update: (micro-batches, token-mean denominator, loss scale).
+
+        Single device: the update's own loss-token count, scale 1. Data parallel: the global
+        count, scale = world size (FSDP averages gradients), and as many micro-batches on every
+        rank (empty ones with no loss tokens pad the shorter ranks: each forward is a collective).
+        """
+        plan = []
+        for batch in self._split_updates(sequences):
+            mbs = pack(batch, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens) if batch else []
+            local = float(sum(mb.n_loss_tokens for mb in mbs))
+            if self.dist is None:
+                plan.append((mbs, local, 1.0))
+                continue
+            n = self.dist.max_int(len(mbs))
+            mbs += [_empty_micro_batch(self.pad_id) for _ in range(n - len(mbs))]
+            plan.append((mbs, self.dist.sum(local), float(self.dist.world_size)))
+        return plan
+
+    def _reduce(self, values: list[float]) -> list[float]:
+        return values if self.dist is None else [self.dist.sum(v) for v in values]
 
     # ------------------------------------------------------------------ steps
     def train_step(self, sequences: list[TrainSequence]) -> StepResult:
-        """One GRPO step on these sequences (each carries its advantage and behaviour logprobs)."""
-        if not sequences:
+        """One GRPO step on these sequences (each carries its advantage and behaviour logprobs).
+
+        Under data parallelism, ``sequences`` are this rank's share of the step.
+        """
+        if not sequences and self.dist is None:
             raise ValueError("train_step needs at least one sequence")
         if any(s.behaviour_logprobs is None for s in sequences):
             raise ValueError("RL sequences need behaviour logprobs")
         t0 = time.perf_counter()
         loss_cfg = self.cfg.loss
-        updates = [pack(batch, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens)
-                   for batch in self._split_updates(sequences)]
+        updates = self._plan(sequences)
         need_pass = loss_cfg.needs_proximal and (len(updates) > 1 or self.cfg.force_proximal_pass)
         prox: dict[int, torch.Tensor] = {}
         if need_pass:
             with torch.no_grad():
-                for mb in (mb for u in updates for mb in u):
+                for mb in (mb for u, _, _ in updates for mb in u):
                     prox[id(mb)] = self.forward_logprobs(mb)[0]
         t_prox = time.perf_counter() - t0
 
@@ -218,12 +277,13 @@ class PolicyTrainer:
         entropy_sum = 0.0
         grad_norms: list[float] = []
         tokens = 0
-        for micro_batches in updates:
-            total_loss_tokens = sum(mb.n_loss_tokens for mb in micro_batches)
+        for micro_batches, total_loss_tokens, scale in updates:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro_batches:
                 tokens += mb.n_tokens
                 if mb.n_loss_tokens == 0:
+                    if self.dist is not None:  # take part in the collectives with a zero loss
+                        (self.forward_logprobs(_with_one_token(mb))[0].sum() * 0.0).backward()
                     continue
                 logp, entropy = self.forward_logprobs(mb)
                 behav = torch.tensor(mb.behaviour, dtype=torch.float32, device=self.device)
@@ -231,13 +291,19 @@ class PolicyTrainer:
                 mask = torch.ones_like(adv)
                 logp_prox = prox.get(id(mb), logp.detach()) if loss_cfg.needs_proximal else None
                 loss, mb_stats = policy_loss(logp, logp_prox, behav, adv, mask, config=loss_cfg,
-                                             num_tokens=total_loss_tokens)
-                loss.backward()
+                                             num_tokens=max(total_loss_tokens, 1.0))
+                (loss * scale).backward()
                 stats.add(mb_stats)
                 entropy_sum += float(entropy.sum().item())
             grad_norms.append(self._clip_and_step())
         self.steps_done += 1
         self._apply_lr()
+        if self.dist is not None:
+            (stats.tokens, stats.loss_sum, stats.clip_low, stats.clip_high, stats.is_weight_sum, stats.is_truncated,
+             stats.kl_behav_sum, stats.ratio_sum, entropy_sum, tokens_all) = self._reduce(
+                [stats.tokens, stats.loss_sum, stats.clip_low, stats.clip_high, stats.is_weight_sum,
+                 stats.is_truncated, stats.kl_behav_sum, stats.ratio_sum, entropy_sum, float(tokens)])
+            tokens = int(tokens_all)
         elapsed = time.perf_counter() - t0
         metrics = stats.means()
         metrics.update(
@@ -250,15 +316,21 @@ class PolicyTrainer:
             tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
             lr=self.optimizer.param_groups[0]["lr"],
             updates=float(len(updates)),
-            micro_batches=float(sum(len(u) for u in updates)),
+            micro_batches=float(sum(len(u) for u, _, _ in updates)),
         )
         return StepResult(metrics=metrics, per_sequence_loss_tokens=[s.n_loss_tokens for s in sequences])
 
     def sft_step(self, sequences: list[TrainSequence]) -> dict[str, float]:
         """One supervised step: token-mean NLL on the loss-masked tokens."""
         t0 = time.perf_counter()
-        micro_batches = pack(sequences, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens)
-        total = sum(mb.n_loss_tokens for mb in micro_batches)
+        saved = self.cfg
+        # SFT is always one update per step, whatever the RL setting says.
+        if self.cfg.updates_per_step != 1:
+            self.cfg = dataclasses.replace(self.cfg, updates_per_step=1)
+        try:
+            ((micro_batches, total, scale),) = self._plan(sequences)
+        finally:
+            self.cfg = saved
         if total == 0:
             raise ValueError("SFT batch has no loss tokens")
         self.optimizer.zero_grad(set_to_none=True)
@@ -267,15 +339,20 @@ class PolicyTrainer:
         for mb in micro_batches:
             tokens += mb.n_tokens
             if mb.n_loss_tokens == 0:
+                if self.dist is not None:
+                    (self.forward_logprobs(_with_one_token(mb))[0].sum() * 0.0).backward()
                 continue
             logp, _ = self.forward_logprobs(mb)
             loss, nll = sft_loss(logp, torch.ones_like(logp), num_tokens=total)
-            loss.backward()
+            (loss * scale).backward()
             nll_sum += nll
         grad_norm = self._clip_and_step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.steps_done += 1
         self._apply_lr()
+        if self.dist is not None:
+            nll_sum, tokens_f = self._reduce([nll_sum, float(tokens)])
+            tokens = int(tokens_f)
         elapsed = time.perf_counter() - t0
         return {"loss": nll_sum / total, "grad_norm": grad_norm, "tokens": float(tokens), "loss_tokens": float(total),
                 "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "lr": lr}
@@ -283,6 +360,8 @@ class PolicyTrainer:
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
         norm_f = float(norm.item())
         if not math.isfinite(norm_f):
             # A non-finite gradient would poison the AdamW moments for good: skip the update.
