@@ -163,6 +163,16 @@ def choose_kind(code: str, pattern: re.Pattern[str]) -> Kind:
     return Kind.HEAVY if pattern.search(code) else Kind.LIGHT
 
 
+_RANDOM_USE_RE = re.compile(r"rand")
+
+
+def may_use_random(code: str) -> bool:
+    """Whether a call could read Python's `random` state (random, randint, randprime, ...).
+    Reseeding costs ~0.1 ms per call and is needed only then: every child starts with its
+    parent's random state, which a fresh interpreter would not share with other calls."""
+    return _RANDOM_USE_RE.search(code) is not None
+
+
 def exit_code_from_system_exit(code: object) -> tuple[int, str | None]:
     """What CPython does with SystemExit(code): (exit status, text to print on stderr)."""
     if code is None:

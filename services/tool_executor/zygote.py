@@ -344,6 +344,7 @@ class CallSpec:
     replay: list[str]
     rlimits: list[tuple[int, int, int]]
     timeout_s: float
+    reseed_random: bool = True
 
 
 class Zygote:
@@ -365,6 +366,12 @@ class Zygote:
 
     # -- start-up ------------------------------------------------------------------------
     def start(self) -> None:
+        try:
+            # A session without a controlling terminal for the parent and every call (so no
+            # call can reach a terminal, e.g. TIOCSTI), set up once here.
+            os.setsid()
+        except OSError:
+            pass
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -463,6 +470,7 @@ class Zygote:
             rlimits=policy.rlimits_for(limits, self.maxima, self.base_as),
             timeout_s=limits.timeout_s + float(msg.get("extra_time_s", 0.0)),
         )
+        spec.reseed_random = policy.may_use_random(spec.code) or any(policy.may_use_random(c) for c in spec.replay)
         uid = self.free_uids.pop()
         self.seq += 1
         workdir = f"{self.work_root}/c{self.seq}"
@@ -488,7 +496,10 @@ class Zygote:
 
     def _child(self, spec: CallSpec, uid: int, out_fd: int, err_fd: int, workdir: str) -> None:
         try:
-            os.setsid()
+            # A process group of its own (killpg), in the parent's session, which has no
+            # controlling terminal (see start). Not setsid(): with scheduler autogroups it
+            # creates a scheduling group per call, measured at ~0.8 ms of the call's ~2 ms.
+            os.setpgid(0, 0)
             if spec.stdin:
                 in_fd = os.memfd_create("stdin")
                 view = memoryview(spec.stdin)
@@ -518,7 +529,8 @@ class Zygote:
             # Built once in the pool parent (never used there), so the child does not pay for them.
             sys.stdin, sys.stdout, sys.stderr = self.child_stdio
             sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-            random.seed()  # a fresh interpreter would have its own seed (see _fork)
+            if spec.reseed_random:
+                random.seed()  # a fresh interpreter would have its own seed (see _fork)
             sys.argv = [""]
         except BaseException as exc:  # noqa: BLE001
             try:
