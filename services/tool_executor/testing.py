@@ -38,12 +38,19 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(env: dict[str, str] | None = None, *, ready_timeout_s: float = 120.0, log_path: Path | None = None) -> Iterator[RunningServer]:
+def running_server(
+    env: dict[str, str] | None = None,
+    *,
+    ready_timeout_s: float = 120.0,
+    log_path: Path | None = None,
+    wrapper: list[str] | None = None,
+) -> Iterator[RunningServer]:
+    """`wrapper`: a command prefix (e.g. setpriv dropping capabilities)."""
     port = free_port()
     rstar = Path(sys.executable).parent / "rstar"
     full_env = {**os.environ, "RSTAR_LOG_LEVEL": "WARNING", **(env or {})}
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen([str(rstar), "serve", "tool-executor", "--port", str(port)], env=full_env, stdout=log, stderr=log if log_path else None)
+    proc = subprocess.Popen([*(wrapper or []), str(rstar), "serve", "tool-executor", "--port", str(port)], env=full_env, stdout=log, stderr=log if log_path else None)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s

@@ -115,3 +115,10 @@ def test_choose_kind():
 )
 def test_system_exit_codes_like_cpython(code, expected):
     assert policy.exit_code_from_system_exit(code) == expected
+
+
+def test_may_use_random():
+    assert policy.may_use_random("import random\nprint(random.random())")
+    assert policy.may_use_random("from sympy import randprime")
+    assert policy.may_use_random("import numpy as np\nnp.random.rand(3)")
+    assert not policy.may_use_random("print(sum(range(10)))")
