@@ -2,33 +2,30 @@
 
 ``bootstrap_tiny_model(cache_dir, minutes=8, seed=0)`` returns the directory of an HF model
 that already writes the tool-use format (and gets some problems right), so RL has something
-to improve. Steps, each deterministic given the settings:
+to improve. Steps:
 
 1. ``shared.tiny_model.create_random_model`` → ``cache_dir/tiny-random-<hash>/`` (reused);
-2. a stream of fresh generated training problems (``data.problem_stream(seed, "train")``: never
-   an eval-partition problem) turned into traces and tokenised segment by segment
-   (``sft_traces``) — every step trains on new problems, nothing is repeated;
-3. supervised training through the learner's trainer (``services.learner.trainer.PolicyTrainer
-   .sft_step``: token-mean NLL on loss-mask-1 tokens only, packed rows with per-sequence
-   position ids, AdamW, linear warm-up then cosine decay);
-4. the weights + the random model's config/tokenizer + ``bootstrap.json`` (settings, step
-   metrics, optional eval) are written atomically to ``cache_dir/tiny-sft-<hash>/``.
+2. ``n_traces`` fresh generated training problems (``data.generate_problems(seed, "train")``:
+   never an eval-partition problem) turned into traces and tokenised segment by segment
+   (``sft_traces``) into a JSONL file — the contract with the learner;
+3. supervised training by the learner's ``services.learner.sft.train_sft`` (token-mean NLL on
+   loss-mask-1 tokens only, packed rows with per-sequence position ids, AdamW, linear warm-up
+   then cosine decay on elapsed time — or over ``steps`` when given);
+4. ``bootstrap.json`` (settings, training figures, loss curve, optional greedy eval) is added
+   and the directory is renamed to ``cache_dir/tiny-sft-<hash>/`` (atomic: a reader never sees
+   a partial model under the final name).
 
 Caching: ``<hash>`` is a digest of every setting that changes the result (including the
 system prompt and ``FORMAT_VERSION``). A present directory is returned without training; a
 file lock makes concurrent bootstraps of the same settings train once. Caveat: with a time
-budget (``steps=None``) the number of steps comes from measuring the first steps on this
-machine, so the same settings give the same *kind* of model on another machine, not the same
-bytes; pass ``steps`` for bit-for-bit reproducible training.
+budget (``steps=None``) the number of steps depends on this machine's speed (and on whatever
+else runs on it), so the same settings give the same *kind* of model on another machine, not
+the same bytes; pass ``steps`` for bit-for-bit reproducible training.
 
-Training time: ``minutes`` is the budget for the optimisation loop. The first
-``CALIBRATION_STEPS`` steps are timed and fix ``total_steps`` (so the cosine schedule ends when
-the budget does); warm-up is longer than the calibration, so the LR path is the same as if the
-step count had been known in advance.
-
-Scale (docs/data.md; PLATFORM.md's experiment): ~1.9M parameters, rows of 512 tokens (a
+Scale (docs/data.md; PLATFORM.md's experiment): ~1.9M parameters, rows of 1024 tokens (a
 prompt with the system prompt is ~165 tokens, a response ~125), lr 2e-3; the loss plateaus
-near 0.7 (format learned, digits random) before digit copying starts to work.
+near 0.7 (format learned, digits random) before digit copying starts to work, which took
+~10–18 minutes at ~3k tokens/s on two idle cores.
 """
 
 from __future__ import annotations
@@ -38,21 +35,22 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import os
-import random
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
-import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shared import chat_format as cf
-from shared.checkpoint import atomic_directory, copy_model_files, save_weights
+from shared.checkpoint import TMP_PREFIX, CheckpointError, fsync_tree
 from shared.tiny_model import create_random_model, load_tokenizer
 
 from services.orchestrator import data, sft_traces
@@ -61,8 +59,6 @@ from services.orchestrator.evaluate_metrics import SampleResult, summarize
 # Bump when the trace format or the training recipe changes in a way the settings don't show:
 # cached models of an older version are then not reused.
 FORMAT_VERSION = 1
-# Steps timed to size the cosine schedule to the time budget (fewer than warm-up steps).
-CALIBRATION_STEPS = 3
 BOOTSTRAP_INFO = "bootstrap.json"
 
 
@@ -80,12 +76,19 @@ class BootstrapSettings:
     # Optimisation (PLATFORM.md's experiment: AdamW lr 2e-3, warm-up + cosine).
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 20
+    # Warm-up in steps (the cosine runs on elapsed time): short, because an 8-minute budget
+    # on busy cores is only a few dozen steps of ~8k tokens.
+    warmup_steps: int = 10
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    batch_sequences: int = 32  # traces per optimizer step (~9k tokens)
-    row_tokens: int = 512  # packed row length: one prompt+response is ~290 tokens
+    batch_tokens: int = 8192  # tokens per optimizer step (~28 traces)
+    # Packed rows of 1024 tokens hold ~3 traces (prompt + response is ~290 tokens) with little
+    # padding; 256/512-token rows hold one trace each and pad the rest. Four rows per micro-batch.
+    row_tokens: int = 1024
     micro_batch_tokens: int = 4096
+    # Distinct training traces (the learner shuffles them per epoch): 16k traces are ~4.6M
+    # tokens, more than an 18-minute run at 3k tokens/s sees, so a default run is < 1 epoch.
+    n_traces: int = 16_000
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
 
     def __post_init__(self) -> None:
@@ -93,8 +96,8 @@ class BootstrapSettings:
             raise ValueError("minutes must be > 0 (or give steps)")
         if self.steps is not None and self.steps < 1:
             raise ValueError("steps must be >= 1")
-        if self.batch_sequences < 1 or self.row_tokens < 1 or self.micro_batch_tokens < self.row_tokens:
-            raise ValueError("batch_sequences, row_tokens must be >= 1 and micro_batch_tokens >= row_tokens")
+        if self.n_traces < 1 or self.batch_tokens < 1 or self.row_tokens < 1 or self.micro_batch_tokens < self.row_tokens:
+            raise ValueError("n_traces, batch_tokens, row_tokens must be >= 1 and micro_batch_tokens >= row_tokens")
 
     def model_kwargs(self) -> dict[str, int]:
         return dict(seed=self.seed, hidden=self.hidden, layers=self.layers, heads=self.heads,
@@ -125,81 +128,29 @@ def sft_model_dir(cache_dir: Path, s: BootstrapSettings) -> Path:
 # --------------------------------------------------------------------------- data
 
 
-def training_sequences(seed: int, tokenizer) -> Iterator[Any]:
-    """Endless ``TrainSequence`` stream from fresh train-partition problems."""
-    from services.learner.packing import TrainSequence
-
-    problems = data.problem_stream(seed, split="train")
-    rng = random.Random(f"bootstrap-traces:{seed}")
-    for problem in problems:
-        tok = sft_traces.tokenize_trace(sft_traces.make_trace(problem, rng), tokenizer)
-        yield TrainSequence(prompt_ids=tok.prompt_token_ids, response_ids=tok.response_token_ids,
-                            loss_mask=tok.loss_mask)
+def write_training_traces(path: Path, s: BootstrapSettings, tokenizer) -> Path:
+    """``s.n_traces`` tokenised traces of fresh train-partition problems, as learner JSONL rows."""
+    problems = data.generate_problems(s.n_traces, seed=s.seed, split="train")
+    traces = sft_traces.make_traces(problems, seed=s.seed)
+    return sft_traces.write_traces_jsonl(traces, tokenizer, path)
 
 
 # --------------------------------------------------------------------------- training
 
 
-@dataclass
-class TrainReport:
-    steps: int
-    seconds: float
-    tokens: int
-    loss_tokens: int
-    first_loss: float
-    final_loss: float  # mean over the last 10 steps
-    tokens_per_s: float
-    history: list[dict[str, float]]
+def train(base: Path, traces: Path, out: Path, s: BootstrapSettings,
+          log: Callable[[dict[str, float]], None] | None = None):
+    """Run the learner's SFT on ``traces`` from ``base``; the model is written to ``out``."""
+    from services.learner.sft import train_sft
 
-
-def train_sft(model_dir: Path, s: BootstrapSettings, *, log: Callable[[dict[str, float]], None] | None = None):
-    """Train from ``model_dir`` with the learner's trainer; returns (model, report)."""
-    import torch
-
-    from services.learner.trainer import PolicyTrainer, TrainerConfig, load_model
-
-    if s.threads:
-        torch.set_num_threads(s.threads)
-    torch.manual_seed(s.seed)
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, torch.device("cpu"))
-    planned = s.steps if s.steps is not None else 10**9  # fixed after calibration
-    cfg = TrainerConfig(lr=s.lr, warmup_steps=s.warmup_steps, schedule="cosine", total_steps=planned,
-                        min_lr_ratio=s.min_lr_ratio, weight_decay=s.weight_decay, grad_clip=s.grad_clip,
-                        micro_batch_tokens=s.micro_batch_tokens, row_tokens=s.row_tokens)
-    trainer = PolicyTrainer(model, cfg, pad_id=tokenizer.pad_token_id)
-    stream = training_sequences(s.seed, tokenizer)
-    budget_s = s.minutes * 60.0
-    history: list[dict[str, float]] = []
-    t0 = time.perf_counter()
-    step = 0
-    while step < planned:
-        batch = [next(stream) for _ in range(s.batch_sequences)]
-        metrics = trainer.sft_step(batch)
-        step += 1
-        elapsed = time.perf_counter() - t0
-        record = {"step": float(step), "elapsed_s": elapsed, **metrics}
-        history.append(record)
-        if log:
-            log(record)
-        if s.steps is None and step == CALIBRATION_STEPS:
-            per_step = elapsed / step
-            planned = max(step + 1, int(budget_s / per_step))
-            # The schedule reads cfg.total_steps; until now only warm-up was used, which does
-            # not depend on it (CALIBRATION_STEPS < warmup_steps keeps the LR path unchanged).
-            trainer.cfg = dataclasses.replace(cfg, total_steps=planned)
-        if s.steps is None and step >= CALIBRATION_STEPS and elapsed > budget_s * 1.25:
-            break  # the machine got slower than calibrated (shared cores): respect the budget
-    seconds = time.perf_counter() - t0
-    tokens = int(sum(h["tokens"] for h in history))
-    tail = history[-10:]
-    report = TrainReport(
-        steps=step, seconds=seconds, tokens=tokens,
-        loss_tokens=int(sum(h["loss_tokens"] for h in history)),
-        first_loss=history[0]["loss"], final_loss=sum(h["loss"] for h in tail) / len(tail),
-        tokens_per_s=tokens / seconds if seconds > 0 else 0.0, history=history,
+    return train_sft(
+        base, traces, out,
+        steps=s.steps, time_budget_s=None if s.steps is not None else s.minutes * 60.0,
+        lr=s.lr, warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio,
+        batch_tokens=s.batch_tokens, row_tokens=s.row_tokens, micro_batch_tokens=s.micro_batch_tokens,
+        weight_decay=s.weight_decay, grad_clip=s.grad_clip, seed=s.seed, device="cpu",
+        threads=s.threads, log=log,
     )
-    return model, report
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -211,20 +162,25 @@ EVAL_CODE_TIMEOUT_S = 5.0
 EVAL_CODE_MEMORY_BYTES = 1 << 30
 
 
-def _limit_child() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (EVAL_CODE_MEMORY_BYTES, EVAL_CODE_MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_CPU, (int(EVAL_CODE_TIMEOUT_S) + 1, int(EVAL_CODE_TIMEOUT_S) + 1))
+def _child_limits(timeout_s: float) -> Callable[[], None]:
+    cpu_s = math.ceil(timeout_s) + 1  # backstop; the wall-clock timeout normally fires first
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (EVAL_CODE_MEMORY_BYTES, EVAL_CODE_MEMORY_BYTES))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+
+    return apply
 
 
-def run_model_code(code: str) -> tuple[bool, str]:
+def run_model_code(code: str, timeout_s: float = EVAL_CODE_TIMEOUT_S) -> tuple[bool, str]:
     """Run model-written code in an isolated child interpreter with CPU/memory/time limits."""
     with tempfile.TemporaryDirectory(prefix="rstar-eval-") as cwd:
         try:
             proc = subprocess.run([sys.executable, "-I", "-c", code], cwd=cwd, capture_output=True,
-                                  text=True, timeout=EVAL_CODE_TIMEOUT_S, preexec_fn=_limit_child,
+                                  text=True, timeout=timeout_s, preexec_fn=_child_limits(timeout_s),
                                   env={"PATH": os.environ.get("PATH", "")})
         except subprocess.TimeoutExpired:
-            return False, f"TimeoutError: execution exceeded {EVAL_CODE_TIMEOUT_S:g} s"
+            return False, f"TimeoutError: execution exceeded {timeout_s:g} s"
     return proc.returncode == 0, sft_traces.tool_output_text(proc.stdout, proc.stderr)
 
 
@@ -304,10 +260,6 @@ def bootstrap_tiny_model(cache_dir: str | Path, *, minutes: float = 8.0, seed: i
     runs a greedy evaluation on that many held-out (eval-partition) problems after training
     and records it in ``bootstrap.json`` (not part of the cache key).
     """
-    import torch
-
-    from services.learner.checkpoints import weights_state_dict
-
     cache = Path(cache_dir)
     s = BootstrapSettings(seed=seed, minutes=minutes, steps=steps, **overrides)
     final = sft_model_dir(cache, s)
@@ -316,26 +268,39 @@ def bootstrap_tiny_model(cache_dir: str | Path, *, minutes: float = 8.0, seed: i
     with _file_lock(cache / f".{final.name}.lock"):
         if (final / BOOTSTRAP_INFO).is_file():  # another process finished it meanwhile
             return final
-        base = create_random_model(random_model_dir(cache, s), **s.model_kwargs())
-        model, report = train_sft(base, s, log=log)
-        info: dict[str, Any] = {
-            "settings": dataclasses.asdict(s), "digest": s.digest(), "format_version": FORMAT_VERSION,
-            "base_model": str(base),
-            "train": {k: v for k, v in dataclasses.asdict(report).items() if k != "history"},
-            "loss_curve": [(int(h["step"]), round(h["loss"], 4)) for h in report.history],
-        }
-        if eval_problems > 0:
-            tokenizer = load_tokenizer(base)
-            problems = data.generate_problems(eval_problems, seed=seed, split="eval")
-            metrics, samples = evaluate_greedy(model, tokenizer, problems)
-            info["eval_greedy"] = metrics
-            info["eval_examples"] = samples[:5]
-        with atomic_directory(final) as tmp:
-            copy_model_files(base, tmp)
-            (tmp / "tiny_model.json").unlink(missing_ok=True)  # describes the random init, not this
-            with torch.no_grad():
-                save_weights(weights_state_dict(model), tmp)
-            (tmp / BOOTSTRAP_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        if final.exists():
+            raise CheckpointError(f"{final} exists without {BOOTSTRAP_INFO}: not written by bootstrap; remove it")
+        for leftover in cache.glob(f"{TMP_PREFIX}{final.name}-*"):  # ours; we hold the lock
+            shutil.rmtree(leftover, ignore_errors=True)
+        base_dir = random_model_dir(cache, s)
+        with _file_lock(cache / f".{base_dir.name}.lock"):
+            base = create_random_model(base_dir, **s.model_kwargs())
+        tokenizer = load_tokenizer(base)
+        stage = cache / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        stage.mkdir()
+        try:
+            traces = write_training_traces(stage / "traces.jsonl", s, tokenizer)
+            model_dir = stage / "model"
+            summary = train(base, traces, model_dir, s, log=log)
+            info: dict[str, Any] = {
+                "settings": dataclasses.asdict(s), "digest": s.digest(), "format_version": FORMAT_VERSION,
+                "base_model": str(base),
+                "train": {k: v for k, v in dataclasses.asdict(summary).items() if k not in ("loss_curve", "settings")},
+                "loss_curve": summary.loss_curve,
+            }
+            if eval_problems > 0:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+                problems = data.generate_problems(eval_problems, seed=seed, split="eval")
+                metrics, samples = evaluate_greedy(model, tokenizer, problems)
+                info["eval_greedy"] = metrics
+                info["eval_examples"] = samples[:5]
+            (model_dir / BOOTSTRAP_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            fsync_tree(model_dir)
+            os.rename(model_dir, final)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
     return final
 
 

@@ -14,11 +14,13 @@ from services.orchestrator.bootstrap import (
     extract_int_answer,
     run_model_code,
     sft_model_dir,
-    training_sequences,
+    write_training_traces,
 )
+from services.orchestrator.sft_traces import read_traces_jsonl
 
 # A seconds-long run: small batches, short warm-up, a high LR so the loss visibly drops.
-SMOKE = dict(steps=4, batch_sequences=3, warmup_steps=1, lr=1e-2, row_tokens=512, micro_batch_tokens=1024)
+SMOKE = dict(steps=4, n_traces=40, batch_tokens=900, warmup_steps=1, lr=1e-2, row_tokens=1024,
+             micro_batch_tokens=1024)
 
 
 def test_digest_changes_with_what_changes_the_model(tmp_path):
@@ -39,12 +41,17 @@ def test_bad_settings_are_refused():
         BootstrapSettings(steps=0)
 
 
-def test_training_sequences_are_fresh_train_problems(tiny_model_dir, tokenizer):
-    stream = training_sequences(0, tokenizer)
-    seqs = [next(stream) for _ in range(20)]
-    assert len({tuple(s.prompt_ids) for s in seqs}) == 20
-    for s in seqs:
-        assert len(s.loss_mask) == len(s.response_ids) and s.loss_mask[-1] == 1
+def test_training_traces_are_fresh_train_problems(tokenizer, tmp_path):
+    from services.orchestrator.data import generate_problems
+
+    s = BootstrapSettings(steps=1, n_traces=30)
+    rows = read_traces_jsonl(write_training_traces(tmp_path / "t.jsonl", s, tokenizer))
+    assert len(rows) == 30
+    assert [r.problem_id for r in rows] == [p.problem_id for p in generate_problems(30, seed=0)]
+    evals = {p.problem_id for p in generate_problems(200, seed=0, split="eval")}
+    assert not evals & {r.problem_id for r in rows}
+    for r in rows:
+        assert len(r.loss_mask) == len(r.response_token_ids) and r.loss_mask[-1] == 1
 
 
 def test_smoke_training_lowers_the_loss_and_is_cached(tmp_path):
@@ -78,7 +85,7 @@ def test_run_model_code_limits_and_output():
     assert ok and out == "1024"
     ok, out = run_model_code("import sys\nprint(undefined_name)")
     assert not ok and out.endswith("NameError: name 'undefined_name' is not defined")
-    ok, out = run_model_code("while True:\n    pass")
+    ok, out = run_model_code("while True:\n    pass", timeout_s=1.0)
     assert not ok and ("TimeoutError" in out or out == "")
     ok, out = run_model_code("x = bytearray(4 << 30)")
     assert not ok and "MemoryError" in out
