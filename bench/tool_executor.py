@@ -125,6 +125,8 @@ async def burst(client: ToolExecutorClient, n: int) -> dict:
         results = []
     elapsed = time.monotonic() - t0
     ok = sum(1 for r in results if r.status == "ok" and r.stdout == "2\n")
+    for r in [r for r in results if not (r.status == "ok" and r.stdout == "2\n")][:5]:
+        print(f"burst error: {r.model_dump()}", file=sys.stderr)
     return {"burst_s": round(elapsed, 2), "burst_completed": ok, "burst_lost": n - len(results), "burst_errors": len(results) - ok, "burst_per_s": round(ok / elapsed, 1)}
 
 

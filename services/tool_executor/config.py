@@ -28,6 +28,12 @@ HEAVY_MODULES = ["numpy", "np", "sympy", "sp", "mpmath", "scipy"]
 HEAVY_WARMUP = "import sympy, numpy\nsympy.factorint(2**64 - 1)\nsympy.simplify(sympy.Symbol('x') ** 2 - 1)\nnumpy.arange(10).sum()\n"
 
 
+# Automatic uid ranges: replica on port P uses UID_BASE_AUTO + (P % UID_PORT_BUCKETS) * UIDS_PER_REPLICA.
+UID_BASE_AUTO = 200_000
+UID_PORT_BUCKETS = 4096
+UIDS_PER_REPLICA = 1000
+
+
 def _default_hidden() -> list[str]:
     # The service's source tree and state (the repo; the interpreter and virtualenv stay visible
     # because they are bound back), home directories, and password hashes.
@@ -40,6 +46,7 @@ class Settings(ServiceSettings):
 
     workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, description="pool parents of each kind (light and heavy); default: number of cores")
     slots_per_worker: int = Field(4, ge=1, le=64, description="calls one pool parent runs at once (each gets its own uid)")
+    prefetch_per_worker: int = Field(4, ge=0, le=64, description="calls a pool parent holds beyond its slots, to start the moment a slot frees")
     queue_max: int = Field(2048, ge=0, description="single calls that may wait for a slot; beyond this, `rejected` (429)")
     batch_backlog_max: int = Field(20000, ge=1, description="batch items (all batches together) admitted and not yet finished; a batch that does not fit is rejected whole (429)")
     max_batch_items: int = Field(2000, ge=1, description="items in one batch request (422 beyond)")
@@ -54,7 +61,12 @@ class Settings(ServiceSettings):
     max_code_chars: int = Field(200_000, ge=1)
     max_stdin_chars: int = Field(1_000_000, ge=0)
     tmpfs_mb: int = Field(512, ge=16, description="size of each pool parent's private /tmp holding the calls' directories")
-    uid_base: int = Field(200_000, ge=1000, description="first uid given to calls (workers x slots x 2 uids from here, none of them a real user)")
+    uid_base: int = Field(
+        0,
+        ge=0,
+        description="first uid given to calls (2 x workers x slots uids from here, none of them a real user); "
+        "0: derived from the port, so replicas on one host never share uids (they kill each other's leftovers by uid)",
+    )
     hidden_paths: list[str] = Field(default_factory=_default_hidden, description="covered by empty read-only mounts in the sandbox")
     light_preload: list[str] = Field(default_factory=lambda: list(LIGHT_PRELOAD))
     heavy_preload: list[str] = Field(default_factory=lambda: list(HEAVY_PRELOAD))
@@ -67,8 +79,18 @@ class Settings(ServiceSettings):
     max_sessions: int = Field(10_000, ge=1)
     worker_start_timeout_s: float = Field(60.0, gt=0)
 
+    @property
+    def effective_uid_base(self) -> int:
+        if self.uid_base:
+            return self.uid_base
+        return UID_BASE_AUTO + (self.http_port % UID_PORT_BUCKETS) * UIDS_PER_REPLICA
+
     @model_validator(mode="after")
     def _check(self) -> "Settings":
+        if 2 * self.workers * self.slots_per_worker > UIDS_PER_REPLICA:
+            raise ValueError(f"2 x workers x slots_per_worker must be at most {UIDS_PER_REPLICA} (uids per replica)")
+        if 0 < self.uid_base < 1000:
+            raise ValueError("uid_base must be 0 (automatic) or at least 1000 (above system users)")
         if self.default_timeout_s > self.max_timeout_s:
             raise ValueError("default_timeout_s exceeds max_timeout_s")
         if self.default_memory_mb > self.max_memory_mb:

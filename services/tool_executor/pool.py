@@ -48,6 +48,10 @@ SANDBOX_ENV = {
 }
 
 
+# How long a pool parent may take to clean up and exit when the service stops.
+CLOSE_GRACE_S = 3.0
+
+
 class InsecureSandbox(RuntimeError):
     """Isolation could not be set up and `insecure` was not given."""
 
@@ -100,6 +104,8 @@ class WorkerPool:
         self._closing = False
         self.secure = False
         self.isolation: dict[str, Any] = {}
+        # Calls the pool takes at once (both kinds), running or held by a parent.
+        self.capacity = 2 * settings.workers * (settings.slots_per_worker + settings.prefetch_per_worker)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -107,9 +113,11 @@ class WorkerPool:
         for kind_no, kind in enumerate(policy.Kind):
             self.free[kind] = asyncio.Queue()
             for i in range(s.workers):
-                uid_base = s.uid_base + (kind_no * s.workers + i) * s.slots_per_worker
+                uid_base = s.effective_uid_base + (kind_no * s.workers + i) * s.slots_per_worker
                 self.workers[kind].append(Worker(kind=kind, index=i, uid_base=uid_base))
-            for _ in range(s.slots_per_worker):
+            # Each parent takes `slots_per_worker` running calls plus `prefetch_per_worker`
+            # held in its own queue, to start the moment a slot frees.
+            for _ in range(s.slots_per_worker + s.prefetch_per_worker):
                 for i in range(s.workers):
                     self.free[kind].put_nowait(i)
             metrics.TOTAL_SLOTS.labels(kind.value).set(s.workers * s.slots_per_worker)
@@ -214,20 +222,22 @@ class WorkerPool:
                 await asyncio.sleep(1.0)
 
     async def close(self) -> None:
+        """Closing a parent's socket makes it kill every process of its uids and exit; a
+        parent that has not exited after `CLOSE_GRACE_S` is killed."""
         self._closing = True
-        for ws in self.workers.values():
-            for w in ws:
-                if w.proc is not None and w.proc.returncode is None:
+        workers = [w for ws in self.workers.values() for w in ws]
+        for w in workers:
+            if w.writer is not None:
+                w.writer.close()
+        for w in workers:
+            if w.proc is not None:
+                try:
+                    await asyncio.wait_for(w.proc.wait(), CLOSE_GRACE_S)
+                except asyncio.TimeoutError:
                     w.proc.kill()
-        for ws in self.workers.values():
-            for w in ws:
-                if w.proc is not None:
-                    try:
-                        await asyncio.wait_for(w.proc.wait(), 5)
-                    except asyncio.TimeoutError:
-                        pass
-                if w.reader_task is not None:
-                    w.reader_task.cancel()
+                    await w.proc.wait()
+            if w.reader_task is not None:
+                w.reader_task.cancel()
 
     # -- calls ---------------------------------------------------------------------------
     def kind_for(self, request: CallRequest) -> policy.Kind:
@@ -294,6 +304,7 @@ class WorkerPool:
         except WorkerCrashed as exc:
             result = error_result(f"the sandbox's pool parent died during the call ({exc}); the call may be retried")
         result.pop("id", None)
+        queue_ms += result.pop("waited_ms", 0.0)  # time held in the parent's own queue
         result["queue_ms"] = round(queue_ms, 3)
         result["kind"] = kind.value
         metrics.QUEUE_SECONDS.labels(kind.value).observe(queue_ms / 1000)

@@ -179,7 +179,7 @@ class ToolExecutorService(Service):
             )
         self.batch_backlog += n
         metrics.BATCH_BACKLOG.set(self.batch_backlog)
-        feed = asyncio.Semaphore(max(1, sum(self.pool.snapshot()["slots"].values())))
+        feed = asyncio.Semaphore(max(1, self.pool.capacity))
 
         async def one(item: ExecuteRequest, call: CallRequest) -> dict[str, Any]:
             try:

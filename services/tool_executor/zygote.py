@@ -31,6 +31,7 @@ that in its hello frame; the service refuses to use it unless configured `insecu
 from __future__ import annotations
 
 import builtins
+import collections
 import ctypes
 import gc
 import importlib
@@ -358,6 +359,7 @@ class Zygote:
         self.is_root = os.geteuid() == 0
         self.free_uids = [self.uid_base + i for i in range(self.slots)]
         self.running: dict[int, dict[str, Any]] = {}  # pid -> call state
+        self.backlog: collections.deque[dict[str, Any]] = collections.deque()  # calls waiting for a slot
         self.seq = 0
         self.inbuf = bytearray()
         self.base_as = 0
@@ -451,16 +453,32 @@ class Zygote:
                 break
             msg = orjson.loads(bytes(self.inbuf[4 : 4 + n]))
             del self.inbuf[: 4 + n]
-            self._start_call(msg)
+            self._accept(msg)
         return True
 
     # -- calls ---------------------------------------------------------------------------
+    def _accept(self, msg: dict[str, Any]) -> None:
+        """Start the call now if a slot is free, else hold it here until one is (the service
+        sends a few more calls than slots, so a slot never idles waiting for the next call
+        to travel from the service)."""
+        msg["_received"] = time.monotonic()
+        if self.free_uids and not self.backlog:
+            self._start_safely(msg)
+        else:
+            self.backlog.append(msg)
+
+    def _start_backlog(self) -> None:
+        while self.backlog and self.free_uids:
+            self._start_safely(self.backlog.popleft())
+
+    def _start_safely(self, msg: dict[str, Any]) -> None:
+        try:
+            self._start_call(msg)
+        except Exception as exc:  # noqa: BLE001 - one bad message must not end the pool parent
+            self._send(self._failed(msg.get("id", 0), f"tool executor could not start the call: {exc!r}"))
+
     def _start_call(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
-        if not self.free_uids:
-            # The service never sends more than `slots` calls at once; answer rather than hang.
-            self._send(self._internal_error(call_id, "pool parent has no free slot"))
-            return
         limits = policy.Limits(timeout_s=float(msg["timeout_s"]), memory_mb=int(msg["memory_mb"]))
         spec = CallSpec(
             call_id=call_id,
@@ -474,15 +492,27 @@ class Zygote:
         uid = self.free_uids.pop()
         self.seq += 1
         workdir = f"{self.work_root}/c{self.seq}"
-        out_fd = os.memfd_create("stdout", os.MFD_CLOEXEC)
-        err_fd = os.memfd_create("stderr", os.MFD_CLOEXEC)
         started = time.monotonic()
-        pid = _fork()
+        try:
+            out_fd = os.memfd_create("stdout", os.MFD_CLOEXEC)
+            err_fd = os.memfd_create("stderr", os.MFD_CLOEXEC)
+            try:
+                pid = _fork()
+            except OSError:
+                os.close(out_fd)
+                os.close(err_fd)
+                raise
+        except OSError as exc:
+            # Out of processes or memory on the host: this call fails, the parent carries on.
+            self.free_uids.append(uid)
+            self._send(self._failed(call_id, f"tool executor could not start the call: {exc}"))
+            return
         if pid == 0:
             self._child(spec, uid, out_fd, err_fd, workdir)  # never returns
         pidfd = os.pidfd_open(pid)
         self.sel.register(pidfd, selectors.EVENT_READ, "child")
         self.running[pid] = {
+            "waited_ms": (started - msg["_received"]) * 1000,
             "pidfd": pidfd,
             "spec": spec,
             "uid": uid,
@@ -613,20 +643,23 @@ class Zygote:
                 "exit_code": exit_code,
                 "signal": term_signal,
                 "duration_ms": round(duration_ms, 3),
+                "waited_ms": round(state["waited_ms"], 3),
             }
         )
 
-    def _internal_error(self, call_id: int, why: str) -> dict[str, Any]:
+    @staticmethod
+    def _failed(call_id: int, why: str) -> dict[str, Any]:
         return {
             "id": call_id,
-            "status": "error",
+            "status": policy.Status.ERROR.value,
             "stdout": "",
-            "stderr": f"tool executor internal error: {why}",
+            "stderr": why,
             "stdout_truncated": False,
             "stderr_truncated": False,
             "exit_code": None,
             "signal": None,
             "duration_ms": 0.0,
+            "waited_ms": 0.0,
         }
 
     def _reap(self) -> None:
@@ -683,15 +716,17 @@ class Zygote:
             # A readable pidfd means that child exited; reaping also collects orphans of
             # earlier calls that came back to us as subreaper.
             self._reap()
+            self._start_backlog()
             orphans = self._orphans_left()
 
     def _shutdown(self) -> None:
-        for pid, state in list(self.running.items()):
+        for pid in list(self.running):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self._kill_uid(state["uid"])
+        for i in range(self.slots):
+            self._kill_uid(self.uid_base + i)
 
 
 def main() -> None:
