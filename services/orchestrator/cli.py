@@ -236,6 +236,43 @@ def report(
     print(index)
 
 
+@app.command("eval")
+def eval_(
+    model: Path = typer.Argument(..., help="HF model directory (the SFT model or a checkpoint)"),
+    run_config: Optional[Path] = typer.Option(None, "--run", help="take the held-out problems of this run config"),
+    problems: int = typer.Option(100, help="held-out problems"),
+    samples: int = typer.Option(4, "-k", "--samples", help="samples per problem (pass@1 is averaged over them)"),
+    max_tokens: int = typer.Option(768, help="token budget per trajectory"),
+    max_turns: int = typer.Option(5, help="turns per trajectory"),
+    temperature: float = typer.Option(1.0),
+    tool_url: list[str] = typer.Option(["http://127.0.0.1:8102"], help="tool-executor URL(s) (a running service)"),
+) -> None:
+    """pass@1 averaged over k samples with tools, pass@k and mean response length on held-out problems."""
+    from services.orchestrator.data import make_splits
+    from services.orchestrator.evaluate import EvalConfig, evaluate_model
+    from services.orchestrator.runtime import dataset_for
+
+    if not (model / "config.json").is_file():
+        console.print(f"[red]{model} is not a model directory (no config.json)[/red]")
+        raise typer.Exit(2)
+    if run_config is not None:
+        cfg, _ = _load_run_config(run_config)
+        held_out = dataset_for(cfg)[1]
+    else:
+        held_out = make_splits(1, problems, seed=0)[1]
+    if not held_out:
+        console.print("[red]no held-out problems (dataset.eval_paths is empty)[/red]")
+        raise typer.Exit(2)
+    cfg_eval = EvalConfig(samples=samples, temperature=temperature, max_tokens=max_tokens, max_turns=max_turns)
+    summary = asyncio.run(evaluate_model(model, held_out[:problems], tool_url, cfg_eval,
+                                         progress=lambda d, n: console.print(f"{d}/{n}") if d % 20 == 0 else None))
+    t = Table(show_header=False, title=f"eval of {model}")
+    for k, v in summary.items():
+        t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    console.print(t)
+    print(json.dumps(summary))
+
+
 @app.command()
 def demo() -> None:
     """Run the main job on the embedded default and print a JSON summary on the last line."""

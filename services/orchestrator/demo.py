@@ -1,61 +1,149 @@
-"""`make demo`: the smallest real round trip that exists so far (replaced by the end-to-end RL
-run once every service has landed): start the embedded stack, send a TrajectoryGroup through
-the broker and read it back through a consumer group, record it in PostgreSQL."""
+"""`make demo` / `rstar demo`: the main job on the embedded default, end to end.
+
+1. start the embedded stack (broker + PostgreSQL);
+2. bootstrap the tiny model by stage-0 SFT (cached under ``<state_dir>/models`` after the
+   first time);
+3. start every service (`rstar up` machinery) configured from ``configs/demo.yaml``;
+4. evaluate the SFT model on held-out problems (pass@1 over k samples at T = 1, with tools);
+5. run asynchronous GRPO-RoC through all five services until the run finishes;
+6. evaluate the last policy version the same way;
+7. write the report (PNG + HTML) and print the before/after figures; the last line is one
+   JSON object with ``pass1_before``, ``pass1_after``, ``steps`` and ``report``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
-from shared import stack, topics
-from shared.db.models import TrajectoryGroupRow
-from shared.db.session import make_engine, session_factory, upsert
-from shared.events import new_id
-from shared.kafka import ConsumerLoop, EventProducer, ensure_topics
+import yaml
+from rich.console import Console
+
 from shared.settings import DEFAULT_STATE_DIR
-from shared.testing import sample_group
+
+console = Console(stderr=True, soft_wrap=True)
+REPO = Path(__file__).resolve().parents[2]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+
+# Held-out problems and samples per problem for the before/after evaluation.
+EVAL_PROBLEMS = int(os.environ.get("RSTAR_DEMO_EVAL_PROBLEMS", "100"))
+EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "4"))
+BOOTSTRAP_MINUTES = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MINUTES", "8"))
 
 
-async def _round_trip(info: stack.StackInfo) -> dict:
-    prefix = f"demo-{new_id()[:6]}."
-    await ensure_topics(info.kafka_bootstrap, prefix)
-    producer = EventProducer(info.kafka_bootstrap)
-    await producer.start()
-    engine = make_engine(info.database_url)
+def _phase(name: str, t0: float) -> None:
+    console.rule(f"[bold]{name}[/bold]  (t = {time.monotonic() - t0:.0f} s)")
+
+
+async def _latest_checkpoint(sessions, run_id: str) -> tuple[int, str | None]:
+    from sqlalchemy import select
+
+    from shared.db.models import PolicyVersion
+
+    async with sessions() as s:
+        row = (await s.execute(select(PolicyVersion).where(PolicyVersion.run_id == run_id)
+                               .order_by(PolicyVersion.version.desc()).limit(1))).scalar_one_or_none()
+    return (row.version, row.uri) if row else (0, None)
+
+
+async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_dir: Path, t0: float) -> dict:
+    from services.orchestrator.cli import watch_run
+    from services.orchestrator.evaluate import EvalConfig, evaluate_model
+    from services.orchestrator.report import load_steps, render
+    from services.orchestrator.runtime import create_run
+    from shared.checkpoint import path_from_uri
+    from shared.db.session import make_engine, session_factory
+
+    eval_cfg = EvalConfig(samples=EVAL_SAMPLES, max_tokens=cfg.stages[-1].max_tokens, max_turns=cfg.stages[-1].max_turns)
+    tool_urls = ["http://127.0.0.1:8102"]
+    engine = make_engine(os.environ["RSTAR_DATABASE_URL"])
     sessions = session_factory(engine)
-    group = sample_group(n=32, n_tokens=2048, run_id="demo")
-    name = prefix + topics.TRAJECTORIES.name
-    got: list = []
 
-    async def handler(env, rec):
-        g = env.payload
-        async with sessions() as s:
-            await s.execute(upsert(TrajectoryGroupRow, dict(
-                run_id=g.run_id, group_id=g.group_id, stage=g.stage, problem_id=g.problem_id,
-                min_version=0, max_version=0, n_total=len(g.trajectories), n_correct=0, pass_rate=0.0,
-                n_selected=0, all_equal=True, roc_mode="none", roc_stats={}, kafka_topic=rec.topic,
-                kafka_partition=rec.partition, kafka_offset=rec.offset)))
-            await s.commit()
-        got.append(g)
+    def progress(done: int, total: int) -> None:
+        if done % 20 == 0 or done == total:
+            console.print(f"  evaluated {done}/{total} problems")
 
-    t0 = time.perf_counter()
-    await producer.send(name, group, key=group.group_id)
-    loop = ConsumerLoop(info.kafka_bootstrap, name, "demo", handler, producer, expect=type(group))
-    task = asyncio.create_task(loop.run())
-    while not got:
-        await asyncio.sleep(0.05)
-    loop.stop()
-    await task
-    await producer.stop()
-    await engine.dispose()
-    return {"round_trip_ok": got[0] == group, "round_trip_s": round(time.perf_counter() - t0, 2),
-            "tokens": sum(len(t.response_token_ids) for t in group.trajectories)}
+    try:
+        _phase("4/7 evaluate the SFT model", t0)
+        before = await evaluate_model(model, eval_problems, tool_urls, eval_cfg, progress=progress)
+        console.print(f"before RL: pass@1 {before['pass@1_mean']:.3f} ({before['problems']} problems x {EVAL_SAMPLES})")
+
+        _phase("5/7 asynchronous GRPO-RoC through all five services", t0)
+        run_id = await create_run(sessions, cfg)
+        console.print(f"run {run_id}: {cfg.total_steps} steps, G={cfg.group_size}/{cfg.n_samples}, "
+                      f"B={cfg.batch_groups}, η={cfg.max_staleness}")
+        fig = await watch_run(sessions, run_id, live=console.is_terminal)
+        version, uri = await _latest_checkpoint(sessions, run_id)
+        if fig["status"] != "finished" or uri is None:
+            raise RuntimeError(f"run {run_id} ended {fig['status']} with no checkpoint: {fig}")
+
+        _phase(f"6/7 evaluate policy version {version}", t0)
+        after = await evaluate_model(path_from_uri(uri), eval_problems, tool_urls, eval_cfg, progress=progress)
+        console.print(f"after RL: pass@1 {after['pass@1_mean']:.3f}")
+
+        _phase("7/7 report", t0)
+        _, steps = await load_steps(sessions, run_id)
+    finally:
+        await engine.dispose()
+    report = render(run_id, steps, state_dir / "reports" / run_id, {
+        "pass@1 before (SFT)": f"{before['pass@1_mean']:.3f}", "pass@1 after (RL)": f"{after['pass@1_mean']:.3f}",
+        "policy version": version, "eval problems": before["problems"], "samples per problem": EVAL_SAMPLES})
+    return {
+        "pass1_before": round(before["pass@1_mean"], 4),
+        "pass1_after": round(after["pass@1_mean"], 4),
+        f"pass{EVAL_SAMPLES}_before": round(before[f"pass@{EVAL_SAMPLES}"], 4),
+        f"pass{EVAL_SAMPLES}_after": round(after[f"pass@{EVAL_SAMPLES}"], 4),
+        "response_len_before": before.get("mean_response_tokens"),
+        "response_len_after": after.get("mean_response_tokens"),
+        "steps": fig["steps_done"],
+        "version": version,
+        "run_id": run_id,
+        "report": str(report),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
 
 
 def main() -> None:
-    info = stack.up(Path(DEFAULT_STATE_DIR))
-    print(f"embedded stack: kafka {info.kafka_bootstrap}, database {info.database_url}")
-    result = asyncio.run(_round_trip(info))
+    from services.orchestrator.bootstrap import bootstrap_tiny_model
+    from services.orchestrator.cluster import LocalCluster, write_system_config
+    from services.orchestrator.run_config import RunConfig
+    from services.orchestrator.runtime import dataset_for
+    from shared import stack
+
+    t0 = time.monotonic()
+    state_dir = Path(os.environ.get("RSTAR_STATE_DIR", DEFAULT_STATE_DIR)).resolve()
+    _phase("1/7 embedded stack", t0)
+    info = stack.up(state_dir)
+    console.print(f"kafka {info.kafka_bootstrap}; database {info.database_url}")
+    os.environ.setdefault("RSTAR_KAFKA_BOOTSTRAP", info.kafka_bootstrap)
+    os.environ.setdefault("RSTAR_DATABASE_URL", info.database_url)
+
+    _phase("2/7 tiny model (stage-0 SFT, cached)", t0)
+    model = bootstrap_tiny_model(state_dir / "models", minutes=BOOTSTRAP_MINUTES, seed=0,
+                                 log=lambda r: console.print(f"  sft step {int(r['step'])} loss {r['loss']:.3f}")
+                                 if int(r["step"]) % 25 == 0 else None)
+    console.print(f"model: {model}")
+
+    raw = yaml.safe_load(DEMO_CONFIG.read_text())
+    raw["model"] = str(model)
+    cfg = RunConfig.model_validate(raw)
+    _, eval_problems = dataset_for(cfg)
+    eval_problems = eval_problems[:EVAL_PROBLEMS]
+
+    _phase("3/7 services", t0)
+    system = write_system_config(state_dir / "demo-system.yaml", cfg.service_settings(), {"log_level": "INFO"})
+    cluster = LocalCluster(state_dir, system)
+    cluster.start()
+    try:
+        with console.status("waiting for the services...") as st:
+            cluster.wait_ready(timeout=600, on_wait=lambda p: st.update(f"waiting for {', '.join(p)}..."))
+        result = asyncio.run(_evaluate_train_evaluate(cfg, model, eval_problems, state_dir, t0))
+    finally:
+        with console.status("stopping services..."):
+            cluster.stop()
+    console.print(f"pass@1 {result['pass1_before']:.3f} -> {result['pass1_after']:.3f} after {result['steps']} steps; "
+                  f"report: {result['report']}")
     print(json.dumps(result))
