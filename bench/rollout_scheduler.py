@@ -29,6 +29,7 @@ The last line of output is one JSON object with the headline figures.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import heapq
 import json
 import math
@@ -78,7 +79,7 @@ class SimParams:
     t_seq_s: float = 0.00012
     t_prefill_s: float = 0.00002
     # Adaptive reservations of the dynamic scheduler (None: full budget; see scheduler.py).
-    reserve_quantile: float | None = 0.5
+    reserve_quantile: float | None = 0.8
     seed: int = 0
 
 
@@ -148,6 +149,8 @@ class SimEngine:
     recomputed_tokens: int = 0
     peak_kv: float = 0.0
     busy_time: float = 0.0
+    sync_tools: bool = False  # turn-synchronous tool calls (the paper's baseline)
+    parked: list = field(default_factory=list)
 
     def step_time(self) -> float:
         return self.p.t_fixed_s + self.p.t_seq_s * len(self.running)
@@ -258,19 +261,27 @@ class SimEngine:
             else:
                 self.cached[r.rid] = r.length
                 self.cached_tokens += r.length
-                sim.schedule(now + r.tool_latency[r.seg], "tool", r)
+                if self.sync_tools:
+                    self.parked.append(r)
+                else:
+                    sim.schedule(now + r.tool_latency[r.seg], "tool", r)
         self.try_admit()
+        if self.sync_tools and self.parked and not self.running and not self.waiting:
+            # the whole batch finished this turn: run every tool call, resume when the slowest returns
+            batch, self.parked = self.parked, []
+            sim.schedule(now + max(r.tool_latency[r.seg] for r in batch), "tool_batch", batch)
 
 
 class Simulation:
     def __init__(self, p: SimParams, mode: SchedulerMode, workload: list[SimRollout],
-                 reserve_quantile: float | None = None):
+                 reserve_quantile: float | None = None, sync_tools: bool = False, clairvoyant: bool = False):
         self.p = p
         self.mode = mode
         self.rollouts = {r.rid: r for r in workload}
         self.engines = [SimEngine(i, p) for i in range(p.engines)]
         for e in self.engines:
             e._rollouts = self.rollouts  # type: ignore[attr-defined]
+            e.sync_tools = sync_tools
         self.sched = RolloutScheduler(
             {i: p.kv_capacity_tokens for i in range(p.engines)}, mode=mode, block_size=p.block_size,
             max_rollouts_per_engine=p.max_num_seqs, reserve_quantile=reserve_quantile,
@@ -280,6 +291,9 @@ class Simulation:
         self.n_done = 0
         self.makespan = 0.0
         self.max_reserved_over_capacity = 0.0
+        # Reference, not a real scheduler: knows every rollout's final length, reserves exactly
+        # it and admits the longest first (LPT).
+        self.clairvoyant = clairvoyant
 
     def schedule(self, t: float, kind: str, obj) -> None:
         self.counter += 1
@@ -312,9 +326,12 @@ class Simulation:
         self._pending_dispatch = True
 
     def run(self) -> dict:
-        for r in self.rollouts.values():
-            self.sched.submit(r.rid, r.prompt + self.p.max_tokens, prompt_tokens=r.prompt,
-                              group=r.rid.split("-")[0])
+        order = list(self.rollouts.values())
+        if self.clairvoyant:
+            order.sort(key=lambda r: -r.budget)
+        for r in order:
+            budget = r.budget if self.clairvoyant else r.prompt + self.p.max_tokens
+            self.sched.submit(r.rid, budget, prompt_tokens=r.prompt, group=r.rid.split("-")[0])
         self._dispatch(0.0)
         while self.events:
             t, _, kind, obj = heapq.heappop(self.events)
@@ -325,16 +342,17 @@ class Simulation:
                     continue
                 e.handle(t, self)
                 self._engine_changed(e)
-            elif kind == "tool":
-                r = obj
-                e = self.engines[r.engine]
+            elif kind in ("tool", "tool_batch"):
+                batch = obj if kind == "tool_batch" else [obj]
+                e = self.engines[batch[0].engine]
                 e.advance(t)
-                r.length += r.tool_tokens[r.seg]
-                r.seg += 1
-                if self.mode is SchedulerMode.DYNAMIC:  # the runtime reports at turn boundaries
-                    self.sched.progress(r.rid, r.length)
-                    self._pending_dispatch = True
-                e.waiting.append(r)
+                for r in batch:
+                    r.length += r.tool_tokens[r.seg]
+                    r.seg += 1
+                    if self.mode is SchedulerMode.DYNAMIC and not self.clairvoyant:  # reported at turn boundaries
+                        self.sched.progress(r.rid, r.length)
+                        self._pending_dispatch = True
+                    e.waiting.append(r)
                 e.try_admit()
                 self._engine_changed(e)
             if self._pending_dispatch:
@@ -390,14 +408,16 @@ def simulate(p: SimParams) -> dict:
     bounds = lower_bounds(p, workload)
     results = {}
     runs = {
-        "dynamic": (SchedulerMode.DYNAMIC, p.reserve_quantile),
-        "dynamic_budget": (SchedulerMode.DYNAMIC, None),
-        "static": (SchedulerMode.STATIC, None),
+        "dynamic": (SchedulerMode.DYNAMIC, p.reserve_quantile, False, False),
+        "dynamic_budget": (SchedulerMode.DYNAMIC, None, False, False),
+        "static": (SchedulerMode.STATIC, None, False, False),
+        "static_sync": (SchedulerMode.STATIC, None, True, False),
+        "clairvoyant": (SchedulerMode.DYNAMIC, None, False, True),
     }
-    for name, (mode, q) in runs.items():
+    for name, (mode, q, sync, oracle) in runs.items():
         fresh = make_workload(p)  # fresh state per run
         t0 = time.perf_counter()
-        sim = Simulation(p, mode, fresh, reserve_quantile=q)
+        sim = Simulation(p, mode, fresh, reserve_quantile=q, sync_tools=sync, clairvoyant=oracle)
         res = sim.run()
         res["promotions"] = sim.sched.promotions
         res["sim_wall_s"] = time.perf_counter() - t0
@@ -417,6 +437,71 @@ def simulate(p: SimParams) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- real run
+
+
+async def real_run(*, tasks: int, samples: int, max_tokens: int, kv_cache_gib: float, model_dir: str) -> dict:
+    """One vLLM CPU engine (tiny random model), the real agent loop and scheduler; the same batch
+    of tasks with the dynamic and with the static scheduler (same engine, started once).
+
+    The random model writes random tokens: some turns end on </tool_call> (a parse_error tool
+    response is appended and generation continues), most run to the token budget. The tool
+    executor is not needed (a random model never writes a well-formed call); a dead URL stands
+    in so that a call, were one written, would be recorded as a tool failure, not hidden.
+    """
+    import uuid
+    from datetime import timedelta
+
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer
+    from services.tool_executor.client import ToolExecutorClient
+    from shared.events import RolloutTask, SamplingParams, utcnow
+    from shared.tiny_model import create_random_model, load_tokenizer
+
+    model = create_random_model(model_dir, seed=0)
+    tok = Tokenizer.from_hf(load_tokenizer(model))
+    engine = RolloutEngine(0, model=model, max_model_len=2048, kv_cache_gib=kv_cache_gib, max_num_seqs=256)
+    t0 = time.perf_counter()
+    await engine.start()
+    start_s = time.perf_counter() - t0
+    out: dict = {"engine_start_s": round(start_s, 1), "kv_capacity_tokens": engine.capacity_tokens,
+                 "tasks": tasks, "samples": samples, "max_tokens": max_tokens}
+    client = ToolExecutorClient(["http://127.0.0.1:9"], max_attempts=1)
+    try:
+        for mode in ("dynamic", "static", "dynamic"):  # dynamic twice: the first run warms up
+            sched = RolloutScheduler({0: engine.capacity_tokens}, mode=mode, block_size=engine.block_size,
+                                     max_rollouts_per_engine=256)
+            runner = RolloutRunner([engine], AdmissionGate(sched), tok, client, max_model_len=2048,
+                                   tool_timeout_s=5.0, tool_response_max_chars=256)
+            batch = [RolloutTask(task_id=uuid.uuid4().hex, run_id="bench", stage=1, problem_id=f"p{i}",
+                                 prompt=f"Compute {i} * 37 + 5.", answer="0", n_samples=samples,
+                                 sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, max_turns=4),
+                                 deadline=utcnow() + timedelta(hours=1)) for i in range(tasks)]
+            pre0 = engine.stats.preemptions
+            t0 = time.perf_counter()
+            groups = await asyncio.gather(*(runner.run_task(t) for t in batch))
+            wall = time.perf_counter() - t0
+            model_tokens = sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
+            out[mode] = {
+                "wall_s": round(wall, 2),
+                "model_tokens": model_tokens,
+                "tokens_per_s": round(model_tokens / wall, 1),
+                "preemptions": engine.stats.preemptions - pre0,
+                "finish_reasons": _count(t.finish_reason for g in groups for t in g.trajectories),
+            }
+    finally:
+        await client.aclose()
+        engine.shutdown()
+    return out
+
+
+def _count(items) -> dict:
+    counts: dict = {}
+    for x in items:
+        counts[x] = counts.get(x, 0) + 1
+    return counts
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -433,6 +518,10 @@ def main() -> None:
     parser.add_argument("--real-tasks", type=int, default=8, help="tasks in the real CPU run")
     parser.add_argument("--real-samples", type=int, default=8, help="rollouts per task in the real run")
     parser.add_argument("--real-max-tokens", type=int, default=256)
+    parser.add_argument("--real-kv-gib", type=float, default=0.04,
+                        help="KV cache of the real engine: small, so the batch does not fit at once")
+    parser.add_argument("--real-model-dir", default=".rstar/bench/rollout-tiny-random",
+                        help="where the tiny random model is built (reused when it exists)")
     args = parser.parse_args()
 
     p = SimParams(engines=args.engines, prompts=args.prompts, samples=args.samples,
@@ -442,9 +531,9 @@ def main() -> None:
     dyn, sta, b = sim["dynamic"], sim["static"], sim["bounds"]
     print("== simulation ==")
     print(json.dumps({k: sim[k] for k in ("workload", "bounds")}, indent=1))
-    for mode in ("dynamic", "dynamic_budget", "static"):
+    for mode in ("dynamic", "dynamic_budget", "static", "static_sync", "clairvoyant"):
         r = sim[mode]
-        print(f"{mode:8s} makespan {r['makespan_s']:8.1f} s  ({r['makespan_s'] / b['lower_bound_s']:.3f}x bound)  "
+        print(f"{mode:14s} makespan {r['makespan_s']:8.1f} s  ({r['makespan_s'] / b['lower_bound_s']:.3f}x bound)  "
               f"preemptions {r['preemptions']}  evictions {r['evictions']}  recomputed {r['recomputed_tokens']} tok  "
               f"promoted {r['promotions']}  peak KV {r['peak_kv_fraction']:.2f}  busy {r['engine_busy_fraction']:.2f}  (sim {r['sim_wall_s']:.1f} s)")
     headline = {
@@ -455,13 +544,14 @@ def main() -> None:
         "sim_speedup_vs_static": round(sta["makespan_s"] / dyn["makespan_s"], 4),
         "sim_overflows": dyn["preemptions"] + dyn["evictions"],
         "sim_overflows_static": sta["preemptions"] + sta["evictions"],
+        "sim_speedup_vs_static_sync_tools": round(sim["static_sync"]["makespan_s"] / dyn["makespan_s"], 4),
+        "sim_makespan_vs_clairvoyant": round(dyn["makespan_s"] / sim["clairvoyant"]["makespan_s"], 4),
         "sim_makespan_vs_lower_bound_budget_reservation": round(sim["dynamic_budget"]["makespan_s"] / b["lower_bound_s"], 4),
         "sim_overflows_budget_reservation": sim["dynamic_budget"]["preemptions"] + sim["dynamic_budget"]["evictions"],
     }
     if not args.sim_only:
-        from bench.rollout_scheduler_real import real_run  # noqa: PLC0415  (imports vLLM)
-
-        real = real_run(tasks=args.real_tasks, samples=args.real_samples, max_tokens=args.real_max_tokens)
+        real = asyncio.run(real_run(tasks=args.real_tasks, samples=args.real_samples, max_tokens=args.real_max_tokens,
+                                    kv_cache_gib=args.real_kv_gib, model_dir=args.real_model_dir))
         print("== real CPU run ==")
         print(json.dumps(real, indent=1))
         headline.update({

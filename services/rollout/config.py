@@ -38,7 +38,7 @@ class Settings(ServiceSettings):
 
     # --- scheduling ----------------------------------------------------------------------
     scheduler_mode: Literal["dynamic", "static"] = Field("dynamic", description="cache-aware dynamic admission, or the static equal-share baseline")
-    reserve_quantile: float | None = Field(None, gt=0, lt=1, description="adaptive reservations (see scheduler.py); None: reserve each rollout's full budget")
+    reserve_quantile: float | None = Field(0.8, gt=0, lt=1, description="adaptive reservations at this quantile of finished lengths (see scheduler.py); None: reserve each rollout's full budget (guaranteed overflow-free)")
     max_concurrent_tasks: int = Field(16, ge=1, description="tasks (groups of n_samples rollouts) processed at once")
     stats_interval_s: float = Field(0.5, gt=0, description="how often engine KV statistics are read into the scheduler and metrics")
 

@@ -51,9 +51,11 @@ Reservation size (setting ``reserve_quantile``)
   the q-quantile of the response lengths (model + tool tokens) of the last ``window`` finished
   rollouts (the full budget until ``min_samples`` have finished: a cold start is as safe as
   budget mode). The runtime reports each rollout's KV length at every turn boundary
-  (``progress``); a rollout whose response outgrows ``L_q`` is promoted to its full budget
-  (the long tail gets the worst-case reservation, the bulk does not), and a rollout's
-  reservation never drops below its current length. The engine's live KV usage
+  (``progress``), and a rollout's
+  reservation never drops below its current length. A rollout whose response outgrows its
+  reservation is re-reserved at the q-quantile of the finished lengths *longer than what it
+  has already written* (the full budget when none were that long): the long tail climbs to
+  larger reservations step by step, ending at the full budget. The engine's live KV usage
   (``observe``) caps admission as well. Overflow is then possible only if many rollouts of
   one engine outgrow ``L_q`` within one turn; the benchmark measures how often.
 
@@ -133,10 +135,15 @@ class LengthQuantile:
             old = self._fifo.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
 
-    def value(self) -> int | None:
+    def value(self, at_least: int = 0) -> int | None:
+        """The q-quantile of the samples > ``at_least`` (None: too few samples to say)."""
         if len(self._sorted) < self.min_samples:
             return None
-        return self._sorted[min(len(self._sorted) - 1, int(self.q * len(self._sorted)))]
+        lo = bisect.bisect_right(self._sorted, at_least) if at_least > 0 else 0
+        n = len(self._sorted) - lo
+        if n <= 0:
+            return None
+        return self._sorted[lo + min(n - 1, int(self.q * n))]
 
 
 class RolloutScheduler:
@@ -212,18 +219,22 @@ class RolloutScheduler:
 
     def progress(self, rollout_id: str, kv_tokens: int) -> None:
         """A running rollout now holds ``kv_tokens`` (prompt + response so far): adjust its
-        reservation (adaptive mode: promote it to its full budget once it outgrows the
-        estimate; any mode: never below what it holds)."""
+        reservation. Adaptive mode: once the response outgrows what its reservation assumed,
+        re-reserve for the q-quantile of the lengths of finished rollouts that were at least
+        this long (the full budget if none were). Any mode: never below what it holds."""
         run = self._where.get(rollout_id)
         if run is None:
             raise KeyError(f"rollout {rollout_id} is not running")
         want = run.reserved
-        if self.lengths is not None and not run.promoted:
-            estimate = self.lengths.value()
-            if estimate is None or kv_tokens - run.prompt_tokens > estimate:
+        response = kv_tokens - run.prompt_tokens
+        if self.lengths is not None and not run.promoted and response > run.reserved - run.prompt_tokens - self.block_size:
+            estimate = self.lengths.value(at_least=response)
+            if estimate is None or run.prompt_tokens + estimate >= run.budget_tokens:
                 want = max(want, self.reservation(run.budget_tokens))
                 run.promoted = True
-                self.promotions += 1
+            else:
+                want = max(want, self.reservation(run.prompt_tokens + estimate))
+            self.promotions += 1
         want = max(want, self.reservation(min(kv_tokens, run.budget_tokens)))
         self._set_reserved(rollout_id, run, want)
 
