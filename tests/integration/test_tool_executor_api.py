@@ -164,3 +164,31 @@ def test_metrics_and_health(http):
     assert "tool_executor_queue_seconds_bucket" in text and "tool_executor_busy_slots" in text
     assert http.get("/healthz").json()["status"] == "ok"
     assert http.get("/readyz").status_code == 200
+
+
+def test_a_dead_pool_parent_fails_its_calls_and_is_restarted(http, server):
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    def light_parents():
+        pids = []
+        for pid in server.pool_parent_pids():
+            if '"kind":"light"' in Path(f"/proc/{pid}/cmdline").read_text():
+                pids.append(pid)
+        return pids
+
+    (victim,) = light_parents()  # the fixture runs one parent per kind
+    inflight: dict = {}
+    t = threading.Thread(target=lambda: inflight.setdefault("r", run(http, "import time\ntime.sleep(3)\nprint('no')")))
+    t.start()
+    time.sleep(0.7)
+    os.kill(victim, signal.SIGKILL)
+    t.join()
+    assert inflight["r"]["status"] == "error" and "died" in inflight["r"]["stderr"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (http.get("/readyz").status_code != 200 or victim in light_parents() or not light_parents()):
+        time.sleep(0.2)
+    assert run(http, "print('back')")["stdout"] == "back\n"
+    assert 'tool_executor_worker_restarts_total{kind="light"} 1.0' in http.get("/metrics").text
