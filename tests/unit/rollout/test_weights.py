@@ -1,0 +1,105 @@
+"""Checkpoint validation before a reload, and the updater's behaviour with engines that load,
+fail, or are asked for stale versions (fake engines: the real one is in the vllm tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+from services.rollout.weights import WeightRejected, WeightUpdater, tensor_index, validate_checkpoint
+from shared.checkpoint import checkpoint_sha256, save_weights, uri_for
+from shared.events import WeightVersion
+
+
+def make_ckpt(path, shape=(4, 8), seed=0):
+    path.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    save_weights({"a.weight": torch.randn(*shape, generator=g), "b.weight": torch.randn(3, generator=g)}, path)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def wv(path, version, sha=None):
+    return WeightVersion(run_id="r", version=version, step=version, stage=1, uri=uri_for(path),
+                         sha256=sha or checkpoint_sha256(path))
+
+
+def test_tensor_index_and_validation(tmp_path):
+    ref_dir = make_ckpt(tmp_path / "ref")
+    ref = tensor_index(ref_dir)
+    assert ref == {"a.weight": ("F32", (4, 8)), "b.weight": ("F32", (3,))}
+    new = make_ckpt(tmp_path / "new", seed=1)
+    assert validate_checkpoint(wv(new, 1), ref) == new
+
+    # bytes changed after hashing
+    sha = checkpoint_sha256(new)
+    with open(new / "model.safetensors", "r+b") as fh:
+        fh.seek(-4, 2)
+        fh.write(b"\0\0\0\0")
+    with pytest.raises(WeightRejected, match="sha256"):
+        validate_checkpoint(wv(new, 2, sha=sha), ref)
+
+    # well hashed but another shape
+    other = make_ckpt(tmp_path / "other", shape=(8, 8))
+    with pytest.raises(WeightRejected, match="changed"):
+        validate_checkpoint(wv(other, 3), ref)
+
+    # garbage where the header should be
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(WeightRejected, match="not a safetensors"):
+        validate_checkpoint(wv(junk, 4), ref)
+
+    with pytest.raises(WeightRejected, match="not a local"):
+        validate_checkpoint(WeightVersion(run_id="r", version=5, step=5, stage=1, uri="s3://b/k", sha256="0" * 64), ref)
+
+
+class FakeEngine:
+    def __init__(self, index, fail_on=None):
+        self.index = index
+        self.version = 0
+        self.weights_path = "base"
+        self.fail_on = fail_on
+        self.loads = []
+        self.restarts = []
+
+    async def load_weights(self, path, version):
+        if version == self.fail_on:
+            raise RuntimeError("reload exploded")
+        self.loads.append(version)
+        self.version, self.weights_path = version, str(path)
+
+    async def restart(self, path, version):
+        self.restarts.append(version)
+        self.version, self.weights_path = version, str(path)
+
+
+def test_updater_loads_newest_announced_and_rolls_back_a_failed_load(tmp_path):
+    async def scenario():
+        ref_dir = make_ckpt(tmp_path / "v0")
+        ref = tensor_index(ref_dir)
+        ckpts = {v: make_ckpt(tmp_path / f"v{v}", seed=v) for v in (1, 2, 3)}
+        engines = [FakeEngine(0), FakeEngine(1, fail_on=3)]
+        up = WeightUpdater(engines, ref, 0)
+        stop = asyncio.Event()
+        loader = asyncio.create_task(up.run(stop))
+        # a backlog of versions coalesces into the newest
+        up.announce(wv(ckpts[1], 1))
+        up.announce(wv(ckpts[2], 2))
+        assert await up.wait_for(2, timeout_s=5)
+        assert [e.loads for e in engines] == [[2], [2]]
+        up.announce(wv(ckpts[1], 1))  # stale: ignored
+        # engine 1 fails to load v3: engine 0 is reloaded back to v2, engine 1 restarted on v2
+        assert not await up.load(wv(ckpts[3], 3))
+        assert up.version == 2 and "failed to load" in up.last_error
+        assert engines[0].version == 2 and engines[0].loads == [2, 3, 2]
+        assert engines[1].restarts == [2] and engines[1].version == 2
+        assert not await up.wait_for(3, timeout_s=0.2)
+        stop.set()
+        await loader
+
+    asyncio.run(scenario())
