@@ -58,7 +58,7 @@ from services.orchestrator.evaluate_metrics import SampleResult, summarize
 
 # Bump when the trace format or the training recipe changes in a way the settings don't show:
 # cached models of an older version are then not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 BOOTSTRAP_INFO = "bootstrap.json"
 
 
@@ -172,15 +172,29 @@ def _child_limits(timeout_s: float) -> Callable[[], None]:
     return apply
 
 
+# The child reads the cell from stdin and reports errors like the tool executor's zygote
+# (``<cell>`` file name, source lines in the traceback, traceback from the cell's frame).
+_CELL_RUNNER = (
+    "import linecache, sys, traceback\n"
+    "code = sys.stdin.read()\n"
+    "linecache.cache['<cell>'] = (len(code), None, code.splitlines(True), '<cell>')\n"
+    "try:\n"
+    "    exec(compile(code, '<cell>', 'exec'), {'__name__': '__main__'})\n"
+    "except BaseException as exc:\n"
+    "    traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)\n"
+    "    sys.exit(1)\n"
+)
+
+
 def run_model_code(code: str, timeout_s: float = EVAL_CODE_TIMEOUT_S) -> tuple[bool, str]:
     """Run model-written code in an isolated child interpreter with CPU/memory/time limits."""
     with tempfile.TemporaryDirectory(prefix="rstar-eval-") as cwd:
         try:
-            proc = subprocess.run([sys.executable, "-I", "-c", code], cwd=cwd, capture_output=True,
-                                  text=True, timeout=timeout_s, preexec_fn=_child_limits(timeout_s),
-                                  env={"PATH": os.environ.get("PATH", "")})
+            proc = subprocess.run([sys.executable, "-I", "-c", _CELL_RUNNER], input=code, cwd=cwd,
+                                  capture_output=True, text=True, timeout=timeout_s,
+                                  preexec_fn=_child_limits(timeout_s), env={"PATH": os.environ.get("PATH", "")})
         except subprocess.TimeoutExpired:
-            return False, f"TimeoutError: execution exceeded {timeout_s:g} s"
+            return False, f"TimeoutError: the code exceeded the time limit of {timeout_s:g} s"
     return proc.returncode == 0, sft_traces.tool_output_text(proc.stdout, proc.stderr)
 
 

@@ -9,8 +9,9 @@ A trace is one assistant message in the format of ``shared/chat_format.py``::
 
 The code is written from the problem's ``kind`` / ``params`` (``services/orchestrator/data.py``)
 in one of a few equivalent styles, and is *run* at generation time (in-process ``exec``: the
-code is our own, trusted and fast) so every ``<tool_response>`` holds what the program really
-printed; the trace fails loudly if the printed value is not the problem's answer. About
+code is our own, trusted and fast; errors are reported exactly as the tool executor reports
+them and stdout/stderr joined as the rollout joins them, see ``run_code``) so every
+``<tool_response>`` holds what the program really printed; the trace fails loudly if the printed value is not the problem's answer. About
 ``BUGGY_FRACTION`` of traces start with a buggy call (an undefined name, a missing import, a
 function that does not exist, a type error) whose real traceback is shown and which the next
 call fixes: the model sees how to recover from tool errors. Each buggy call is executed and
@@ -38,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import linecache
 import random
 import traceback
 from collections.abc import Iterable, Sequence
@@ -60,34 +62,45 @@ BUGGY_FRACTION = 0.2
 @dataclass(frozen=True)
 class CodeRun:
     ok: bool
-    output: str  # what the tool response shows: stdout, then the traceback on failure
+    output: str  # what the tool response shows (see ``tool_output_text``)
+
+
+# The file name the tool executor compiles cells under (services/tool_executor/zygote.py), so
+# tracebacks in traces read exactly like the ones the policy sees during RL.
+CELL_FILENAME = "<cell>"
 
 
 def run_code(code: str) -> CodeRun:
-    """Run trusted generated code in-process; capture stdout and a ``python -c``-style traceback."""
-    out = io.StringIO()
+    """Run trusted generated code in-process, reporting like the tool executor does.
+
+    Mirrors ``services/tool_executor/zygote.py``: the cell is compiled as ``<cell>`` with its
+    source registered in ``linecache`` (tracebacks show the failing line), errors are printed
+    by ``traceback.print_exception`` starting at the cell's frame, stdout and stderr are kept
+    apart and joined by :func:`tool_output_text`.
+    """
+    out, err = io.StringIO(), io.StringIO()
     namespace: dict[str, Any] = {"__name__": "__main__"}
-    try:
-        compiled = compile(code, "<string>", "exec")
-    except SyntaxError as exc:
-        return CodeRun(False, "".join(traceback.format_exception_only(exc)).rstrip("\n"))
+    linecache.cache[CELL_FILENAME] = (len(code), None, code.splitlines(True), CELL_FILENAME)
+    ok = True
     try:
         with contextlib.redirect_stdout(out):
-            exec(compiled, namespace)  # noqa: S102 — trusted code written by this module
+            exec(compile(code, CELL_FILENAME, "exec"), namespace)  # noqa: S102 — trusted code written by this module
     except Exception as exc:  # noqa: BLE001 — any error is the tool output
-        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop this frame
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-        return CodeRun(False, tool_output_text(out.getvalue(), text))
-    return CodeRun(True, tool_output_text(out.getvalue(), ""))
+        ok = False
+        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # start at the cell's frame
+        traceback.print_exception(type(exc), exc, tb, file=err)
+    return CodeRun(ok, tool_output_text(out.getvalue(), err.getvalue()))
 
 
 def tool_output_text(stdout: str, stderr: str) -> str:
-    """The text inside ``<tool_response>``: stdout then stderr, trailing newlines dropped.
-
-    (``format_tool_response`` adds its own newline before ``</tool_response>``.)
+    """The text inside ``<tool_response>``, composed as the rollout does
+    (``services/rollout/agent.py: outcome_from_execution``): stdout, then stderr on a new line;
+    nothing stripped, so a printed value keeps its newline and the response reads
+    ``<tool_response>\n42\n\n</tool_response>``.
     """
-    parts = [s.rstrip("\n") for s in (stdout, stderr) if s.strip()]
-    return "\n".join(parts)
+    if stderr:
+        return f"{stdout}\n{stderr}" if stdout else stderr
+    return stdout
 
 
 # --------------------------------------------------------------------------- code per kind

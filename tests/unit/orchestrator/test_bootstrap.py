@@ -82,9 +82,15 @@ def test_smoke_training_lowers_the_loss_and_is_cached(tmp_path):
 
 def test_run_model_code_limits_and_output():
     ok, out = run_model_code("print(2 ** 10)")
-    assert ok and out == "1024"
-    ok, out = run_model_code("import sys\nprint(undefined_name)")
-    assert not ok and out.endswith("NameError: name 'undefined_name' is not defined")
+    assert ok and out == "1024\n"
+    code = "import sys\nprint(undefined_name)"
+    ok, out = run_model_code(code)
+    assert not ok and out.endswith("NameError: name 'undefined_name' is not defined\n")
+    # Reported exactly like the in-process trace generator (which mirrors the tool executor).
+    from services.orchestrator.sft_traces import run_code
+
+    assert out == run_code(code).output
+    assert 'File "<cell>", line 2' in out and "print(undefined_name)" in out
     ok, out = run_model_code("while True:\n    pass", timeout_s=1.0)
     assert not ok and ("TimeoutError" in out or out == "")
     ok, out = run_model_code("x = bytearray(4 << 30)")

@@ -11,12 +11,14 @@ from shared import chat_format as cf
 from services.orchestrator.data import KINDS, generate_problems
 from services.orchestrator.sft_traces import (
     BUGGY_FRACTION,
+    CodeRun,
     TraceError,
     make_trace,
     make_traces,
     read_traces_jsonl,
     run_code,
     tokenize_trace,
+    tool_output_text,
     write_traces_jsonl,
 )
 
@@ -32,18 +34,26 @@ def traces(problems):
 
 
 def test_run_code_captures_output_and_tracebacks():
-    assert run_code("print(6 * 7)").output == "42"
-    assert run_code("print(6 * 7)").ok
+    assert run_code("print(6 * 7)") == CodeRun(True, "42\n")
     bad = run_code("x = 1\nprint(y)")
     assert not bad.ok
     assert bad.output.startswith("Traceback (most recent call last):")
-    assert 'File "<string>", line 2, in <module>' in bad.output
-    assert bad.output.endswith("NameError: name 'y' is not defined")
+    assert 'File "<cell>", line 2, in <module>\n    print(y)' in bad.output  # source line shown
+    assert bad.output.endswith("NameError: name 'y' is not defined\n")
     assert "sft_traces.py" not in bad.output
     partial = run_code("print('before')\n1/0")
-    assert partial.output.startswith("before\nTraceback") and "ZeroDivisionError" in partial.output
+    # stdout, then stderr on a new line: composed as the rollout composes executor results.
+    assert partial.output.startswith("before\n\nTraceback") and "ZeroDivisionError" in partial.output
     syntax = run_code("print(1")
-    assert not syntax.ok and "SyntaxError" in syntax.output
+    assert not syntax.ok and syntax.output.startswith('  File "<cell>", line 1') and "SyntaxError" in syntax.output
+
+
+def test_tool_output_text_matches_the_rollout_composition():
+    from services.rollout.agent import outcome_from_execution
+
+    for stdout, stderr in [("42\n", ""), ("", "Traceback\nNameError: x\n"), ("a\n", "E\n"), ("", "")]:
+        status = "error" if stderr else "ok"
+        assert tool_output_text(stdout, stderr) == outcome_from_execution(status, stdout, stderr, 1.0).output
 
 
 def test_traces_follow_the_chat_format_and_answer_correctly(traces):
@@ -72,8 +82,8 @@ def test_buggy_first_calls_fail_and_the_fix_succeeds(traces):
     assert {t.problem.kind for t in buggy} == set(KINDS)
     for t in buggy:
         first, second = (run_code(c) for c in t.codes)
-        assert not first.ok and "Error" in first.output.splitlines()[-1]
-        assert second.ok and second.output == t.problem.answer
+        assert not first.ok and "Error" in first.output.splitlines()[-1] and "Traceback" in first.output
+        assert second.ok and second.output == t.problem.answer + "\n"
     for t in traces:
         if not t.buggy_first_call:
             assert run_code(t.codes[0]).ok
@@ -85,7 +95,7 @@ def test_every_bug_variant_of_every_kind_really_fails():
     for p in generate_problems(60, seed=4):
         for bad, _note, fixed in _buggy_codes(p.kind, dict(p.params)):
             assert not run_code(bad).ok, bad
-            assert run_code(fixed).output == p.answer, fixed
+            assert run_code(fixed).output == p.answer + "\n", fixed
 
 
 def test_loss_mask_is_exact(traces, tokenizer):
