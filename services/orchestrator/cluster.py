@@ -56,11 +56,13 @@ class LocalCluster:
     config_file: Path | None = None
     services: tuple[str, ...] = SERVICE_ORDER
     env: dict[str, str] = field(default_factory=dict)
+    name: str = "cluster"  # several clusters can share a state dir (the demo starts tools first)
+    port_offset: int = 0  # added to every default port (tests run clusters beside other ones)
     managed: dict[str, Managed] = field(default_factory=dict)
 
     @property
     def record(self) -> Path:
-        return self.state_dir / "cluster.json"
+        return self.state_dir / f"{self.name}.json"
 
     def _spawn(self, m: Managed) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", m.name, "--port", str(m.port)]
@@ -79,7 +81,7 @@ class LocalCluster:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for name in self.services:
-            m = Managed(name, DEFAULT_PORTS[name], logs / f"{name}.log")
+            m = Managed(name, DEFAULT_PORTS[name] + self.port_offset, logs / f"{name}.log")
             self.managed[name] = m
             self._spawn(m)
         self._save()
@@ -139,16 +141,17 @@ class LocalCluster:
 
 def stop_recorded(state_dir: Path) -> list[str]:
     """`rstar down`: stop the services a (possibly gone) `rstar up` recorded."""
-    record = state_dir / "cluster.json"
-    if not record.is_file():
-        return []
-    pids = orjson.loads(record.read_bytes())
+    pids: dict[str, int] = {}
+    records = list(state_dir.glob("cluster*.json"))
+    for record in records:
+        pids.update(orjson.loads(record.read_bytes()))
     for pid in pids.values():
         if _pid_alive(pid):
             os.kill(pid, signal.SIGTERM)
     for pid in pids.values():
         stop_pid(pid, timeout=STOP_GRACE_S)
-    record.unlink(missing_ok=True)
+    for record in records:
+        record.unlink(missing_ok=True)
     return list(pids)
 
 

@@ -3,10 +3,11 @@
 1. start the embedded stack (broker + PostgreSQL);
 2. bootstrap the tiny model by stage-0 SFT (cached under ``<state_dir>/models`` after the
    first time);
-3. start every service (`rstar up` machinery) configured from ``configs/demo.yaml``;
-4. evaluate the SFT model on held-out problems (pass@1 over k samples at T = 1, with tools);
+3. start the tool-executor and evaluate the SFT model on held-out problems (pass@1 over k
+   samples at T = 1, with tools);
+4. start the other services (`rstar up` machinery) configured from ``configs/demo.yaml``;
 5. run asynchronous GRPO-RoC through all five services until the run finishes;
-6. evaluate the last policy version the same way;
+6. stop the training services and evaluate the last policy version the same way;
 7. write the report (PNG + HTML) and print the before/after figures; the last line is one
    JSON object with ``pass1_before``, ``pass1_after``, ``steps`` and ``report``.
 """
@@ -51,6 +52,7 @@ async def _latest_checkpoint(sessions, run_id: str) -> tuple[int, str | None]:
 
 async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_dir: Path, t0: float) -> dict:
     from services.orchestrator.cli import watch_run
+    from services.orchestrator.cluster import SERVICE_ORDER, LocalCluster, write_system_config
     from services.orchestrator.evaluate import EvalConfig, evaluate_model
     from services.orchestrator.report import load_steps, render
     from services.orchestrator.runtime import create_run
@@ -66,19 +68,34 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
         if done % 20 == 0 or done == total:
             console.print(f"  evaluated {done}/{total} problems")
 
+    tools = LocalCluster(state_dir, None, services=("tool-executor",), name="cluster-tools")
+    rest: LocalCluster | None = None
     try:
-        _phase("4/7 evaluate the SFT model", t0)
+        _phase("3/7 tool-executor; evaluate the SFT model", t0)
+        tools.start()
+        await asyncio.to_thread(tools.wait_ready, 300)
         before = await evaluate_model(model, eval_problems, tool_urls, eval_cfg, progress=progress)
         console.print(f"before RL: pass@1 {before['pass@1_mean']:.3f} ({before['problems']} problems x {EVAL_SAMPLES})")
 
-        _phase("5/7 asynchronous GRPO-RoC through all five services", t0)
+        _phase("4/7 reward, learner, rollout, orchestrator", t0)
         run_id = await create_run(sessions, cfg)
+        sections = cfg.service_settings()
+        # This learner trains this run only, into a checkpoint dir of its own.
+        sections["learner"].update(run_id=run_id, checkpoint_dir=str(state_dir / "runs" / run_id / "checkpoints"))
+        system = write_system_config(state_dir / "runs" / run_id / "system.yaml", sections, {"log_level": "INFO"})
+        rest = LocalCluster(state_dir, system, services=tuple(n for n in SERVICE_ORDER if n != "tool-executor"))
+        rest.start()
+        await asyncio.to_thread(rest.wait_ready, 600)
+
+        _phase("5/7 asynchronous GRPO-RoC through all five services", t0)
         console.print(f"run {run_id}: {cfg.total_steps} steps, G={cfg.group_size}/{cfg.n_samples}, "
-                      f"B={cfg.batch_groups}, η={cfg.max_staleness}")
+                      f"B={cfg.batch_groups}, η={cfg.max_staleness}; logs in {state_dir / 'logs'}")
         fig = await watch_run(sessions, run_id, live=console.is_terminal)
         version, uri = await _latest_checkpoint(sessions, run_id)
         if fig["status"] != "finished" or uri is None:
             raise RuntimeError(f"run {run_id} ended {fig['status']} with no checkpoint: {fig}")
+        await asyncio.to_thread(rest.stop)  # free the cores for the evaluation
+        rest = None
 
         _phase(f"6/7 evaluate policy version {version}", t0)
         after = await evaluate_model(path_from_uri(uri), eval_problems, tool_urls, eval_cfg, progress=progress)
@@ -87,6 +104,9 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
         _phase("7/7 report", t0)
         _, steps = await load_steps(sessions, run_id)
     finally:
+        if rest is not None:
+            await asyncio.to_thread(rest.stop)
+        await asyncio.to_thread(tools.stop)
         await engine.dispose()
     report = render(run_id, steps, state_dir / "reports" / run_id, {
         "pass@1 before (SFT)": f"{before['pass@1_mean']:.3f}", "pass@1 after (RL)": f"{after['pass@1_mean']:.3f}",
@@ -108,7 +128,6 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
 
 def main() -> None:
     from services.orchestrator.bootstrap import bootstrap_tiny_model
-    from services.orchestrator.cluster import LocalCluster, write_system_config
     from services.orchestrator.run_config import RunConfig
     from services.orchestrator.runtime import dataset_for
     from shared import stack
@@ -133,17 +152,7 @@ def main() -> None:
     _, eval_problems = dataset_for(cfg)
     eval_problems = eval_problems[:EVAL_PROBLEMS]
 
-    _phase("3/7 services", t0)
-    system = write_system_config(state_dir / "demo-system.yaml", cfg.service_settings(), {"log_level": "INFO"})
-    cluster = LocalCluster(state_dir, system)
-    cluster.start()
-    try:
-        with console.status("waiting for the services...") as st:
-            cluster.wait_ready(timeout=600, on_wait=lambda p: st.update(f"waiting for {', '.join(p)}..."))
-        result = asyncio.run(_evaluate_train_evaluate(cfg, model, eval_problems, state_dir, t0))
-    finally:
-        with console.status("stopping services..."):
-            cluster.stop()
+    result = asyncio.run(_evaluate_train_evaluate(cfg, model, eval_problems, state_dir, t0))
     console.print(f"pass@1 {result['pass1_before']:.3f} -> {result['pass1_after']:.3f} after {result['steps']} steps; "
                   f"report: {result['report']}")
     print(json.dumps(result))
