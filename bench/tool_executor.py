@@ -5,7 +5,10 @@ Starts `rstar serve tool-executor` on a free loopback port (or uses --url), then
    50 ms CPU loop — and each concurrency (16 and 256 clients, each sending its next call as
    soon as the last one is answered, through ToolExecutorClient) runs for --seconds and reports
    completed calls/s, p50/p95/p99 latency (client-side, request to response) and errors
-   (anything but status ok, including exceptions);
+   (anything but status ok, including exceptions), and — when it started the service — the
+   service's CPU ms per call (server + pool parents + children) and the calls/s that CPU cost
+   allows on all cores: the machine is shared, so calls/s moves with the neighbours' load;
+   CPU per call much less;
 2. submits a burst of --burst trivial calls at once through the batch API
    (ToolExecutorClient.execute_many) and reports the time to drain, completed, lost (no
    result) and errors (a result other than ok).
@@ -130,15 +133,39 @@ async def burst(client: ToolExecutorClient, n: int) -> dict:
     return {"burst_s": round(elapsed, 2), "burst_completed": ok, "burst_lost": n - len(results), "burst_errors": len(results) - ok, "burst_per_s": round(ok / elapsed, 1)}
 
 
-async def run(url: str, seconds: float, burst_n: int, workloads: list[str], concurrencies: list[int]) -> dict:
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def service_cpu_s(pids: list[int]) -> float:
+    """CPU seconds used so far by the service, its pool parents and their (reaped) children."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return total / _CLK
+
+
+async def run(url: str, seconds: float, burst_n: int, workloads: list[str], concurrencies: list[int], pids: list[int] | None = None) -> dict:
+    """`pids`: the service and its pool parents, when this script started them: then each
+    phase also reports the service's CPU ms per call, a figure the other processes sharing
+    the machine do not move much, and the calls/s it would allow on all cores."""
     figures: dict = {}
     async with ToolExecutorClient([url], max_connections=512) as client:
         for _ in range(50):  # warm up connections and pool parents
             await client.execute("print(0)")
         for name in workloads:
             for c in concurrencies:
+                cpu0 = service_cpu_s(pids) if pids else 0.0
                 r = await closed_loop(url, WORKLOADS[name], c, seconds)
-                print(f"{name:8s} c={c:<4d} {r['per_s']:8.1f}/s  p50 {r['p50_ms']:7.2f} ms  p95 {r['p95_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  ({r['calls']} calls)", flush=True)
+                extra = ""
+                if pids and r["calls"]:
+                    r["service_cpu_ms_per_call"] = round((service_cpu_s(pids) - cpu0) * 1000 / r["calls"], 3)
+                    r["cpu_bound_per_s"] = round((os.cpu_count() or 1) * 1000 / r["service_cpu_ms_per_call"], 1)
+                    extra = f"  | service CPU {r['service_cpu_ms_per_call']:.2f} ms/call -> {r['cpu_bound_per_s']:.0f}/s on {os.cpu_count()} idle cores"
+                print(f"{name:8s} c={c:<4d} {r['per_s']:8.1f}/s  p50 {r['p50_ms']:7.2f} ms  p95 {r['p95_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  ({r['calls']} calls){extra}", flush=True)
                 for k, v in r.items():
                     figures[f"{name}_c{c}_{k}"] = v
         if burst_n:
@@ -162,10 +189,10 @@ def main() -> None:
         args.seconds, args.burst = 3.0, min(args.burst, 5000)
     plan = (args.seconds, args.burst, args.workloads.split(","), [int(c) for c in args.concurrency.split(",")])
     if args.url:
-        figures = asyncio.run(run(args.url, *plan))
+        figures = asyncio.run(run(args.url, *plan))  # no CPU figures for a remote service
     else:
         with running_server(dict(kv.split("=", 1) for kv in args.env)) as server:
-            figures = asyncio.run(run(server.url, *plan))
+            figures = asyncio.run(run(server.url, *plan, pids=[server.pid, *server.pool_parent_pids()]))
     figures["cpus"] = os.cpu_count()
     print("Headline: trivial calls/s and errors at 256 clients, trivial p99 at 16 clients, the batch burst (completed/lost/errors/seconds); all figures follow.")
     print(json.dumps(figures))

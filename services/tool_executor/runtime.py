@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from services.tool_executor import metrics, policy
 from services.tool_executor.config import Settings
 from services.tool_executor.models import BatchRequest, ExecuteRequest
-from services.tool_executor.pool import CallRequest, WorkerPool, rejected_result
+from services.tool_executor.pool import CallRequest, WorkerPool, error_result, rejected_result
 from services.tool_executor.sessions import SessionFull, SessionStore
 from shared.logging import get_logger
 from shared.runtime import RuntimeContext, Service
@@ -151,6 +151,9 @@ class ToolExecutorService(Service):
             result = await self._run(req, call, enqueued_at=enqueued_at, admitted=False)
         except InvalidRequest as exc:
             return _invalid(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug here must still be an answer, not a 5xx
+            log.exception("execute_failed")
+            result = error_result(f"tool executor internal error: {exc!r}")
         if result["status"] == policy.Status.REJECTED.value:
             metrics.REJECTED.labels("execute").inc()
             return _json(self._finish(result), 429)
@@ -187,7 +190,10 @@ class ToolExecutorService(Service):
                     try:
                         return self._finish(await self._run(item, call, enqueued_at=enqueued_at, admitted=True))
                     except InvalidRequest as exc:  # a session filled up by an earlier item
-                        return self._finish({**rejected_result(""), "status": "error", "stderr": str(exc)})
+                        return self._finish(error_result(str(exc)))
+                    except Exception as exc:  # noqa: BLE001 - one item's failure is its result
+                        log.exception("batch_item_failed")
+                        return self._finish(error_result(f"tool executor internal error: {exc!r}"))
             finally:
                 self.batch_backlog -= 1
                 metrics.BATCH_BACKLOG.set(self.batch_backlog)
