@@ -452,6 +452,7 @@ async def real_run(*, tasks: int, samples: int, max_tokens: int, kv_cache_gib: f
     import uuid
     from datetime import timedelta
 
+    from services.rollout.config import Settings
     from services.rollout.engine import RolloutEngine
     from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer
     from services.tool_executor.client import ToolExecutorClient
@@ -468,9 +469,9 @@ async def real_run(*, tasks: int, samples: int, max_tokens: int, kv_cache_gib: f
                  "tasks": tasks, "samples": samples, "max_tokens": max_tokens}
     client = ToolExecutorClient(["http://127.0.0.1:9"], max_attempts=1)
     try:
-        for mode in ("dynamic", "static", "dynamic"):  # dynamic twice: the first run warms up
+        for label, mode in (("warmup", "dynamic"), ("dynamic", "dynamic"), ("static", "static")):
             sched = RolloutScheduler({0: engine.capacity_tokens}, mode=mode, block_size=engine.block_size,
-                                     max_rollouts_per_engine=256)
+                                     max_rollouts_per_engine=256, reserve_quantile=Settings().reserve_quantile)
             runner = RolloutRunner([engine], AdmissionGate(sched), tok, client, max_model_len=2048,
                                    tool_timeout_s=5.0, tool_response_max_chars=256)
             batch = [RolloutTask(task_id=uuid.uuid4().hex, run_id="bench", stage=1, problem_id=f"p{i}",
@@ -482,7 +483,7 @@ async def real_run(*, tasks: int, samples: int, max_tokens: int, kv_cache_gib: f
             groups = await asyncio.gather(*(runner.run_task(t) for t in batch))
             wall = time.perf_counter() - t0
             model_tokens = sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
-            out[mode] = {
+            out[label] = {
                 "wall_s": round(wall, 2),
                 "model_tokens": model_tokens,
                 "tokens_per_s": round(model_tokens / wall, 1),

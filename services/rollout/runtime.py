@@ -85,6 +85,12 @@ class RolloutService(Service):
         for engine in self.engines:  # one at a time: each start compiles and profiles
             if not engine.healthy:
                 await engine.start()
+        smallest = min(e.capacity_tokens for e in self.engines)
+        if s.scheduler_mode == "dynamic" and smallest < s.max_model_len:
+            raise ValueError(
+                f"an engine holds {smallest} KV tokens, fewer than max_model_len {s.max_model_len}: a rollout "
+                "using its whole context could never be admitted; raise kv_cache_gib or lower max_model_len"
+            )
         self.scheduler = RolloutScheduler(
             {e.index: e.capacity_tokens for e in self.engines}, mode=s.scheduler_mode,
             block_size=self.engines[0].block_size, max_rollouts_per_engine=s.max_num_seqs,
