@@ -12,6 +12,12 @@ Part 1 — simulation (``--sim-only`` runs just this, well under a minute)
     * dynamic: the cache-aware scheduler decides which engine gets which rollout and when.
     * static: every engine gets an equal share up front (the paper's baseline); the engine's
       own admission then overcommits its KV cache and preempts/recomputes when it overflows.
+      ``static_sync`` also synchronises tool calls per turn (each engine's batch finishes a
+      turn, runs all its calls, waits for the slowest, starts the next turn).
+    * references (not schedulers: they know every rollout's final length): ``clairvoyant``
+      reserves exactly each length and admits the longest first; ``exact_fifo`` reserves
+      exactly but keeps FIFO order. They split the gap to the bound into "reservation slack"
+      and "admission order".
 
     Lower bound (``lower_bound_s``, see ``lower_bounds``): the largest of a KV bound (every
     decode step holds at most C tokens of KV, so the context lengths of all generated tokens
@@ -274,7 +280,8 @@ class SimEngine:
 
 class Simulation:
     def __init__(self, p: SimParams, mode: SchedulerMode, workload: list[SimRollout],
-                 reserve_quantile: float | None = None, sync_tools: bool = False, clairvoyant: bool = False):
+                 reserve_quantile: float | None = None, sync_tools: bool = False, clairvoyant: bool = False,
+                 longest_first: bool = True):
         self.p = p
         self.mode = mode
         self.rollouts = {r.rid: r for r in workload}
@@ -294,6 +301,7 @@ class Simulation:
         # Reference, not a real scheduler: knows every rollout's final length, reserves exactly
         # it and admits the longest first (LPT).
         self.clairvoyant = clairvoyant
+        self.longest_first = longest_first
 
     def schedule(self, t: float, kind: str, obj) -> None:
         self.counter += 1
@@ -327,7 +335,7 @@ class Simulation:
 
     def run(self) -> dict:
         order = list(self.rollouts.values())
-        if self.clairvoyant:
+        if self.clairvoyant and self.longest_first:
             order.sort(key=lambda r: -r.budget)
         for r in order:
             budget = r.budget if self.clairvoyant else r.prompt + self.p.max_tokens
@@ -408,16 +416,17 @@ def simulate(p: SimParams) -> dict:
     bounds = lower_bounds(p, workload)
     results = {}
     runs = {
-        "dynamic": (SchedulerMode.DYNAMIC, p.reserve_quantile, False, False),
-        "dynamic_budget": (SchedulerMode.DYNAMIC, None, False, False),
-        "static": (SchedulerMode.STATIC, None, False, False),
-        "static_sync": (SchedulerMode.STATIC, None, True, False),
-        "clairvoyant": (SchedulerMode.DYNAMIC, None, False, True),
+        "dynamic": (SchedulerMode.DYNAMIC, p.reserve_quantile, False, False, False),
+        "dynamic_budget": (SchedulerMode.DYNAMIC, None, False, False, False),
+        "static": (SchedulerMode.STATIC, None, False, False, False),
+        "static_sync": (SchedulerMode.STATIC, None, True, False, False),
+        "clairvoyant": (SchedulerMode.DYNAMIC, None, False, True, True),
+        "exact_fifo": (SchedulerMode.DYNAMIC, None, False, True, False),
     }
-    for name, (mode, q, sync, oracle) in runs.items():
+    for name, (mode, q, sync, oracle, lpt) in runs.items():
         fresh = make_workload(p)  # fresh state per run
         t0 = time.perf_counter()
-        sim = Simulation(p, mode, fresh, reserve_quantile=q, sync_tools=sync, clairvoyant=oracle)
+        sim = Simulation(p, mode, fresh, reserve_quantile=q, sync_tools=sync, clairvoyant=oracle, longest_first=lpt)
         res = sim.run()
         res["promotions"] = sim.sched.promotions
         res["sim_wall_s"] = time.perf_counter() - t0
@@ -532,7 +541,7 @@ def main() -> None:
     dyn, sta, b = sim["dynamic"], sim["static"], sim["bounds"]
     print("== simulation ==")
     print(json.dumps({k: sim[k] for k in ("workload", "bounds")}, indent=1))
-    for mode in ("dynamic", "dynamic_budget", "static", "static_sync", "clairvoyant"):
+    for mode in ("dynamic", "dynamic_budget", "static", "static_sync", "clairvoyant", "exact_fifo"):
         r = sim[mode]
         print(f"{mode:14s} makespan {r['makespan_s']:8.1f} s  ({r['makespan_s'] / b['lower_bound_s']:.3f}x bound)  "
               f"preemptions {r['preemptions']}  evictions {r['evictions']}  recomputed {r['recomputed_tokens']} tok  "
