@@ -154,7 +154,14 @@ class RolloutRunner:
 
     async def run_task(self, task: RolloutTask) -> TrajectoryGroup:
         prompt = self.prompt_ids(task)
-        trajectories = await asyncio.gather(*(self.run_one(task, prompt, i) for i in range(task.n_samples)))
+        # A TaskGroup cancels the siblings when one rollout fails (an engine died): a retry of
+        # the task must not meet its own leftover rollouts in the scheduler.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                runs = [tg.create_task(self.run_one(task, prompt, i)) for i in range(task.n_samples)]
+        except ExceptionGroup as group_error:
+            raise group_error.exceptions[0]  # the first failure is the one to report
+        trajectories = [r.result() for r in runs]
         return TrajectoryGroup(
             group_id=task.task_id, run_id=task.run_id, stage=task.stage, problem_id=task.problem_id,
             answer=task.answer, trajectories=list(trajectories), attempt=task.attempt,
