@@ -139,6 +139,32 @@ class LocalCluster:
             self.record.unlink(missing_ok=True)
 
 
+# For tests and benchmarks that drive the pipeline with a random policy: it earns no reward, so
+# keep its all-equal groups and train on them anyway (zero gradient, but every step, version
+# and weight update happens), on a small engine.
+RANDOM_POLICY_OVERRIDES: dict[str, dict] = {
+    "reward": {"drop_all_equal": False},
+    "learner": {"skip_zero_advantage_groups": False},
+    "rollout": {"kv_cache_gib": 0.5, "max_model_len": 1024, "enforce_eager": True},
+    "orchestrator": {"tick_s": 0.3},
+}
+
+
+def cluster_for_run(state_dir: Path, run_cfg, run_id: str, *, services: tuple[str, ...] = SERVICE_ORDER,
+                    overrides: dict[str, dict] | None = None, env: dict[str, str] | None = None,
+                    port_offset: int = 0, name: str = "cluster") -> LocalCluster:
+    """A cluster whose services follow ``run_cfg``: the reward keeps G, the learner steps on B
+    groups with η, trains ``run_id`` only into a checkpoint dir of its own, and the rollout
+    serves the run's model and calls this cluster's tool-executor."""
+    sections = run_cfg.service_settings()
+    sections["learner"].update(run_id=run_id, checkpoint_dir=str(state_dir / "runs" / run_id / "checkpoints"))
+    sections["rollout"]["tool_executor_urls"] = [f"http://127.0.0.1:{DEFAULT_PORTS['tool-executor'] + port_offset}"]
+    for section, values in (overrides or {}).items():
+        sections.setdefault(section, {}).update(values)
+    system = write_system_config(state_dir / "runs" / run_id / "system.yaml", sections)
+    return LocalCluster(state_dir, system, services=services, env=dict(env or {}), name=name, port_offset=port_offset)
+
+
 def stop_recorded(state_dir: Path) -> list[str]:
     """`rstar down`: stop the services a (possibly gone) `rstar up` recorded."""
     pids: dict[str, int] = {}

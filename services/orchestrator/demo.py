@@ -52,7 +52,7 @@ async def _latest_checkpoint(sessions, run_id: str) -> tuple[int, str | None]:
 
 async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_dir: Path, t0: float) -> dict:
     from services.orchestrator.cli import watch_run
-    from services.orchestrator.cluster import SERVICE_ORDER, LocalCluster, write_system_config
+    from services.orchestrator.cluster import SERVICE_ORDER, LocalCluster, cluster_for_run
     from services.orchestrator.evaluate import EvalConfig, evaluate_model
     from services.orchestrator.report import load_steps, render
     from services.orchestrator.runtime import create_run
@@ -79,11 +79,7 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
 
         _phase("4/7 reward, learner, rollout, orchestrator", t0)
         run_id = await create_run(sessions, cfg)
-        sections = cfg.service_settings()
-        # This learner trains this run only, into a checkpoint dir of its own.
-        sections["learner"].update(run_id=run_id, checkpoint_dir=str(state_dir / "runs" / run_id / "checkpoints"))
-        system = write_system_config(state_dir / "runs" / run_id / "system.yaml", sections, {"log_level": "INFO"})
-        rest = LocalCluster(state_dir, system, services=tuple(n for n in SERVICE_ORDER if n != "tool-executor"))
+        rest = cluster_for_run(state_dir, cfg, run_id, services=tuple(n for n in SERVICE_ORDER if n != "tool-executor"))
         rest.start()
         await asyncio.to_thread(rest.wait_ready, 600)
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from services.orchestrator.cluster import LocalCluster, write_system_config
+from services.orchestrator.cluster import RANDOM_POLICY_OVERRIDES, LocalCluster, cluster_for_run
 from services.orchestrator.run_config import RunConfig
 from services.orchestrator.runtime import create_run
 from shared.db.models import LearnerStep, PolicyVersion, RolloutTaskRow, Run, TrajectoryGroupRow
@@ -22,7 +22,6 @@ from shared.db.session import session_factory
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-SERVICES = ("tool-executor", "reward", "learner", "rollout", "orchestrator")
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +31,12 @@ def tiny_model(tmp_path_factory):
     return create_random_model(tmp_path_factory.mktemp("model") / "tiny", seed=0, heads=6)
 
 
-def _cluster(tmp_path, stack, topic_prefix, run_cfg: RunConfig, run_id: str, **rollout) -> LocalCluster:
-    sections = run_cfg.service_settings()
-    sections["reward"].update(drop_all_equal=False)
-    sections["learner"].update(run_id=run_id, checkpoint_dir=str(tmp_path / "ckpt"), skip_zero_advantage_groups=False)
-    offset = 20000 + os.getpid() % 1000 * 10  # away from the default ports of a running `rstar up`
-    sections["rollout"].update(kv_cache_gib=0.5, max_model_len=1024, enforce_eager=True,
-                               tool_executor_urls=[f"http://127.0.0.1:{8102 + offset}"], **rollout)
-    sections["orchestrator"] = {"tick_s": 0.3}
-    system = write_system_config(tmp_path / "system.yaml", sections)
+def _cluster(tmp_path, stack, topic_prefix, run_cfg: RunConfig, run_id: str) -> LocalCluster:
     env = {"RSTAR_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "RSTAR_DATABASE_URL": stack.database_url,
            "RSTAR_TOPIC_PREFIX": topic_prefix, "RSTAR_STATE_DIR": str(tmp_path / "state"),
            "RSTAR_HEARTBEAT_S": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return LocalCluster(tmp_path, system, services=SERVICES, env=env, port_offset=offset)
+    return cluster_for_run(tmp_path, run_cfg, run_id, env=env, overrides=RANDOM_POLICY_OVERRIDES,
+                           port_offset=20000 + os.getpid() % 1000 * 10)  # beside a running `rstar up`
 
 
 def _run_config(model, **kw) -> RunConfig:

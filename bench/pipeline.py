@@ -1,0 +1,169 @@
+"""Synchronous (η = 0) vs asynchronous (η > 0) training through all five services.
+
+Runs the same number of learner steps twice on the embedded stack — every service its own
+process, as `rstar up` runs them — and reports the wall time of each run (from the run's
+creation to its last step; service start-up is not counted) and how much of it the rollout
+engine and the learner sat idle:
+
+- rollout idle: fraction of 0.25 s samples of the rollout's ``/metrics`` in which its engine
+  ran no request;
+- learner idle: 1 − (time spent in training steps, from ``rstar_learner_step_seconds``) / wall.
+
+With η = 0 the orchestrator admits a step's B groups only once the previous version exists, so
+rollout and learner take turns; with η > 0 rollouts for the next steps overlap training.
+
+By default the policy is a tiny random model (fast to create; rewards are 0, so the run keeps
+all-equal groups — the compute per step is the same as with signal). ``--model DIR`` uses a
+real one (e.g. the bootstrapped SFT model). Last line: one JSON object with ``sync_s``,
+``async_s``, ``async_speedup`` and the idle fractions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.orchestrator.cluster import RANDOM_POLICY_OVERRIDES, cluster_for_run  # noqa: E402
+from services.orchestrator.run_config import RunConfig  # noqa: E402
+from services.orchestrator.runtime import create_run  # noqa: E402
+from shared import stack  # noqa: E402
+from shared.db.models import Run  # noqa: E402
+from shared.db.session import make_engine, session_factory  # noqa: E402
+from shared.settings import DEFAULT_PORTS  # noqa: E402
+
+SAMPLE_S = 0.25
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            m = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})?\s+([0-9.eE+-]+)", line)
+            if m:
+                total += float(m.group(2))
+    return total
+
+
+class Sampler(threading.Thread):
+    """Samples the rollout engine's running requests and the learner's step time."""
+
+    def __init__(self, port_offset: int):
+        super().__init__(daemon=True)
+        self.rollout = f"http://127.0.0.1:{DEFAULT_PORTS['rollout'] + port_offset}/metrics"
+        self.learner = f"http://127.0.0.1:{DEFAULT_PORTS['learner'] + port_offset}/metrics"
+        self.samples = 0
+        self.rollout_busy = 0
+        self.stop_flag = threading.Event()
+
+    def learner_step_seconds(self) -> float:
+        return _metric(httpx.get(self.learner, timeout=5).text, "rstar_learner_step_seconds_sum")
+
+    def run(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                running = _metric(httpx.get(self.rollout, timeout=2).text, "rstar_rollout_engine_running_requests")
+                self.samples += 1
+                self.rollout_busy += running > 0
+            except httpx.HTTPError:
+                pass
+            self.stop_flag.wait(SAMPLE_S)
+
+
+async def _wait(sessions, run_id: str, timeout: float) -> None:
+    from sqlalchemy import select
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        async with sessions() as s:
+            status = (await s.execute(select(Run.status).where(Run.run_id == run_id))).scalar_one()
+        if status == "finished":
+            return
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"run {run_id} did not finish in {timeout} s")
+
+
+def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) -> dict:
+    cfg = RunConfig.model_validate(dict(
+        name=f"bench-eta{eta}", model=model, dataset={"kind": "generated", "n_train": 500, "n_eval": 5, "seed": 0},
+        group_size=args.group_size, n_samples=2 * args.group_size, batch_groups=args.batch_groups, max_staleness=eta,
+        lr=1e-5, warmup_steps=0, stages=[{"stage": 1, "steps": args.steps, "max_tokens": args.max_tokens, "max_turns": 3}]))
+    engine = make_engine(info.database_url)
+    sessions = session_factory(engine)
+    run_id = asyncio.run(create_run(sessions, cfg))
+    asyncio.run(engine.dispose())
+    env = {"RSTAR_KAFKA_BOOTSTRAP": info.kafka_bootstrap, "RSTAR_DATABASE_URL": info.database_url,
+           "RSTAR_TOPIC_PREFIX": f"bench{eta}-{run_id}.", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # Tasks dispatched before the rollout is up wait in the topic; timing starts once every
+    # service is ready.
+    cluster = cluster_for_run(state, cfg, run_id, env=env, overrides=RANDOM_POLICY_OVERRIDES, port_offset=port_offset)
+    cluster.start()
+    try:
+        print(f"eta={eta}: starting services...", file=sys.stderr)
+        cluster.wait_ready(900)
+        sampler = Sampler(port_offset)
+        learner_before = sampler.learner_step_seconds()
+        sampler.start()
+        t0 = time.monotonic()
+        engine = make_engine(info.database_url)
+        asyncio.run(_wait(session_factory(engine), run_id, args.timeout))
+        wall = time.monotonic() - t0
+        sampler.stop_flag.set()
+        sampler.join()
+        learner_busy = sampler.learner_step_seconds() - learner_before
+    finally:
+        cluster.stop()
+    out = {"wall_s": round(wall, 1), "rollout_idle": round(1 - sampler.rollout_busy / max(1, sampler.samples), 3),
+           "learner_idle": round(max(0.0, 1 - learner_busy / wall), 3)}
+    print(f"eta={eta}: {out}", file=sys.stderr)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch-groups", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--eta", type=int, default=2, help="staleness bound of the asynchronous run")
+    ap.add_argument("--model", default=None, help="model dir (default: a tiny random model)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args()
+
+    state = Path(tempfile.mkdtemp(prefix="rstar-bench-pipeline-"))
+    model = args.model
+    if model is None:
+        from shared.tiny_model import create_random_model
+
+        model = str(create_random_model(state / "tiny", seed=0, heads=6))
+    info = stack.up(state, kafka_port=stack._free_port())
+    port_offset = 30000 + os.getpid() % 500 * 10
+    try:
+        sync = run_once(info, state, model, 0, args, port_offset)
+        asyn = run_once(info, state, model, args.eta, args, port_offset)
+    finally:
+        stack.down(state)
+    print(f"{args.steps} steps of B={args.batch_groups} groups x {2 * args.group_size} rollouts (max {args.max_tokens} tokens):")
+    print(f"  synchronous (eta=0):  {sync['wall_s']} s, rollout idle {sync['rollout_idle']:.0%}, learner idle {sync['learner_idle']:.0%}")
+    print(f"  asynchronous (eta={args.eta}): {asyn['wall_s']} s, rollout idle {asyn['rollout_idle']:.0%}, learner idle {asyn['learner_idle']:.0%}")
+    print(json.dumps({
+        "sync_s": sync["wall_s"], "async_s": asyn["wall_s"], "async_speedup": round(sync["wall_s"] / asyn["wall_s"], 2),
+        "sync_rollout_idle": sync["rollout_idle"], "sync_learner_idle": sync["learner_idle"],
+        "async_rollout_idle": asyn["rollout_idle"], "async_learner_idle": asyn["learner_idle"],
+        "steps": args.steps, "eta": args.eta,
+    }))
+
+
+if __name__ == "__main__":
+    main()
