@@ -114,6 +114,7 @@ class LearnerEngine:
             skip_zero_advantage=cfg.skip_zero_advantage_groups,
         )
         self._initial_sha: str | None = None
+        self.poisoned = False  # set when in-memory weights are ahead of the last checkpoint
 
     @classmethod
     def open(cls, cfg: EngineConfig) -> "LearnerEngine":
@@ -163,6 +164,8 @@ class LearnerEngine:
 
     def train_step(self) -> StepOutcome:
         """Train on the next B groups, checkpoint the result as a new version (blocking)."""
+        if self.poisoned:
+            raise RuntimeError("a checkpoint write failed after an update; restart to resume from the last checkpoint")
         groups = self.assembler.peek()
         stage = self.assembler.step_stage(groups)
         reset = self.assembler.needs_optimizer_reset(groups)
@@ -200,7 +203,14 @@ class LearnerEngine:
             metrics=metrics,
         )
         t1 = time.perf_counter()
-        weights_dir, sha = self.store.save(new, self.model, self.trainer.state_dict())
+        try:
+            weights_dir, sha = self.store.save(new, self.model, self.trainer.state_dict())
+        except BaseException:
+            # The weights in memory moved past the last checkpoint: training on would make the
+            # next checkpoint claim updates it cannot replay. Only a restart (resume from the
+            # last checkpoint, the groups redelivered) is consistent.
+            self.poisoned = True
+            raise
         metrics["checkpoint_seconds"] = time.perf_counter() - t1
         self.state = new
         self.resumed = True

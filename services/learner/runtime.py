@@ -221,8 +221,16 @@ class LearnerService(Service):
 
     async def _step(self) -> None:
         assert self.engine is not None
-        with STEP_SECONDS.time():
-            outcome = await asyncio.to_thread(self.engine.train_step)
+        try:
+            with STEP_SECONDS.time():
+                outcome = await asyncio.to_thread(self.engine.train_step)
+        except Exception:
+            if self.engine.poisoned:
+                # Weights in memory are ahead of the last checkpoint (its write failed): stop;
+                # the restart resumes from that checkpoint and the groups are redelivered.
+                log.critical("checkpoint_write_failed_stopping")
+                self.request_stop()
+            raise
         BUFFERED.set(len(self.engine.assembler.buffer))
         if not outcome.trained:
             SKIPPED_STEPS.inc()

@@ -116,3 +116,24 @@ def test_assembler_drops_stale_and_skips_no_signal_and_other_runs():
     a.complete(groups, 6)
     # "later" (from version 4) became stale when the version moved to 6 with η = 1
     assert a.buffer == [] and a.dropped_stale == 1 and a.consumed == {"ok", "ok2"}
+
+
+def test_a_failed_checkpoint_write_poisons_the_engine_and_restart_resumes(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, groups_per_step=1)
+    eng = LearnerEngine.open(cfg)
+    eng.offer(scored_group("p0"))
+    eng.train_step()
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(eng.store, "save", disk_full)
+    eng.offer(scored_group("p1", version=1))
+    with pytest.raises(OSError):
+        eng.train_step()
+    assert eng.poisoned
+    with pytest.raises(RuntimeError):
+        eng.train_step()
+    monkeypatch.undo()
+    eng2 = LearnerEngine.open(cfg)
+    assert eng2.version == 1 and eng2.offer(scored_group("p1", version=1)) is Decision.ACCEPTED
