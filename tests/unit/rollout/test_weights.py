@@ -4,20 +4,21 @@ fail, or are asked for stale versions (fake engines: the real one is in the vllm
 from __future__ import annotations
 
 import asyncio
-import shutil
 
+import numpy as np
 import pytest
-import torch
+from safetensors.numpy import save_file
 
 from services.rollout.weights import WeightRejected, WeightUpdater, tensor_index, validate_checkpoint
-from shared.checkpoint import checkpoint_sha256, save_weights, uri_for
+from shared.checkpoint import checkpoint_sha256, uri_for
 from shared.events import WeightVersion
 
 
 def make_ckpt(path, shape=(4, 8), seed=0):
     path.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
-    save_weights({"a.weight": torch.randn(*shape, generator=g), "b.weight": torch.randn(3, generator=g)}, path)
+    rng = np.random.default_rng(seed)
+    save_file({"a.weight": rng.standard_normal(shape).astype(np.float32),
+               "b.weight": rng.standard_normal(3).astype(np.float32)}, str(path / "model.safetensors"))
     (path / "config.json").write_text("{}")
     return path
 
