@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
+import marshal
 
 from services.tool_executor import metrics, policy
 from services.tool_executor.config import Settings
-from services.tool_executor.zygote import FRAME
+from services.tool_executor.zygote import FRAME_HEADER, decode_body, encode_frame
 from shared.logging import get_logger
 
 log = get_logger("tool_executor.pool")
@@ -166,11 +166,12 @@ class WorkerPool:
     async def _spawn(self, worker: Worker) -> None:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            cfg = orjson.dumps(self._zygote_config(worker, child_sock.fileno())).decode()
+            cfg = marshal.dumps(self._zygote_config(worker, child_sock.fileno())).hex()
             worker.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
                 "services.tool_executor.zygote",
+                worker.kind.value,  # for ps; the configuration follows
                 cfg,
                 pass_fds=(child_sock.fileno(),),
                 env=SANDBOX_ENV,
@@ -191,9 +192,8 @@ class WorkerPool:
 
     @staticmethod
     async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
-        header = await reader.readexactly(FRAME.size)
-        (n,) = FRAME.unpack(header)
-        return orjson.loads(await reader.readexactly(n))
+        header = await reader.readexactly(FRAME_HEADER)
+        return decode_body(await reader.readexactly(int.from_bytes(header, "big")))
 
     async def _read_loop(self, worker: Worker, reader: asyncio.StreamReader) -> None:
         try:
@@ -288,7 +288,7 @@ class WorkerPool:
             fut: asyncio.Future = asyncio.get_running_loop().create_future()
             fut.add_done_callback(release)
             worker.pending[call_id] = fut
-            body = orjson.dumps(
+            frame = encode_frame(
                 {
                     "id": call_id,
                     "code": request.code,
@@ -299,7 +299,7 @@ class WorkerPool:
                     "extra_time_s": request.extra_time_s,
                 }
             )
-            worker.writer.write(FRAME.pack(len(body)) + body)
+            worker.writer.write(frame)
         except BaseException:
             release()
             raise

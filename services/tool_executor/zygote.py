@@ -1,6 +1,6 @@
 """Pool parent ("zygote"): a warm Python process that forks one sandboxed child per call.
 
-Run as ``python -m services.tool_executor.zygote '<json config>'`` by the service's pool
+Run as ``python -m services.tool_executor.zygote KIND HEX-MARSHALLED-CONFIG`` by the service's pool
 (`pool.py`), with a scrubbed environment and one end of a socketpair as fd 3. It
 
 1. sets up isolation ONCE for everything it will fork (as root): its own network namespace
@@ -40,23 +40,30 @@ import linecache
 import os
 import random
 import re
-import selectors
-import shutil
+import select
 import signal
-import socket
-import struct
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
+import marshal
 
 from services.tool_executor import policy
 
 CTRL_FD = 3
-FRAME = struct.Struct(">I")
+# Frames between the service and a pool parent: 4-byte big-endian length + marshal body
+# (both ends are ours; marshal is built in, so the parent loads no extra shared library).
+FRAME_HEADER = 4
+
+
+def encode_frame(msg: dict[str, Any]) -> bytes:
+    body = marshal.dumps(msg)
+    return len(body).to_bytes(FRAME_HEADER, "big") + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    return marshal.loads(body)
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -278,6 +285,26 @@ def setup_filesystem(report: dict[str, Any], hidden_paths: list[str], tmpfs_mb: 
     return tempfile.mkdtemp(prefix="rstar-tool-executor-")
 
 
+def _remove_tree(path: str) -> None:
+    """rm -rf without shutil (which loads the bz2/lzma/zlib libraries into the parent)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        entries = []
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                _remove_tree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
 def _vm_size_bytes() -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -337,15 +364,17 @@ def _safe_print_err(message: str) -> None:
         pass
 
 
-@dataclass
 class CallSpec:
-    call_id: int
-    code: str
-    stdin: bytes
-    replay: list[str]
-    rlimits: list[tuple[int, int, int]]
-    timeout_s: float
-    reseed_random: bool = True
+    __slots__ = ("call_id", "code", "stdin", "replay", "rlimits", "timeout_s", "reseed_random")
+
+    def __init__(self, call_id: int, code: str, stdin: bytes, replay: list[str], rlimits: list[tuple[int, int, int]], timeout_s: float) -> None:
+        self.call_id = call_id
+        self.code = code
+        self.stdin = stdin
+        self.replay = replay
+        self.rlimits = rlimits
+        self.timeout_s = timeout_s
+        self.reseed_random = True
 
 
 class Zygote:
@@ -406,8 +435,8 @@ class Zygote:
             self._kill_uid(uid)  # leftovers of a previous pool parent that used these uids
         gc.collect()
         gc.freeze()
-        self.ctrl = socket.socket(fileno=int(self.cfg.get("ctrl_fd", CTRL_FD)))
-        self.ctrl.setblocking(False)
+        self.ctrl = int(self.cfg.get("ctrl_fd", CTRL_FD))
+        os.set_blocking(self.ctrl, False)
         # Children are watched through pidfds (readable when the child exits), so there is
         # no SIGCHLD handler that each child would have to undo.
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -415,8 +444,8 @@ class Zygote:
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.ctrl, selectors.EVENT_READ, "ctrl")
+        self.epoll = select.epoll()
+        self.epoll.register(self.ctrl, select.EPOLLIN)
         self._send(
             {
                 "hello": True,
@@ -430,29 +459,28 @@ class Zygote:
 
     # -- protocol ------------------------------------------------------------------------
     def _send(self, msg: dict[str, Any]) -> None:
-        body = orjson.dumps(msg)
-        data = FRAME.pack(len(body)) + body
-        self.ctrl.setblocking(True)
-        try:
-            self.ctrl.sendall(data)
-        finally:
-            self.ctrl.setblocking(False)
+        view = memoryview(encode_frame(msg))
+        while view:
+            try:
+                view = view[os.write(self.ctrl, view) :]
+            except BlockingIOError:
+                select.select([], [self.ctrl], [])
 
     def _read_ctrl(self) -> bool:
         while True:
             try:
-                chunk = self.ctrl.recv(1 << 20)
+                chunk = os.read(self.ctrl, 1 << 20)
             except BlockingIOError:
                 break
             if not chunk:
                 return False
             self.inbuf += chunk
         while len(self.inbuf) >= 4:
-            (n,) = FRAME.unpack_from(self.inbuf)
-            if len(self.inbuf) < 4 + n:
+            n = int.from_bytes(self.inbuf[:FRAME_HEADER], "big")
+            if len(self.inbuf) < FRAME_HEADER + n:
                 break
-            msg = orjson.loads(bytes(self.inbuf[4 : 4 + n]))
-            del self.inbuf[: 4 + n]
+            msg = decode_body(bytes(self.inbuf[FRAME_HEADER : FRAME_HEADER + n]))
+            del self.inbuf[: FRAME_HEADER + n]
             self._accept(msg)
         return True
 
@@ -510,7 +538,7 @@ class Zygote:
         if pid == 0:
             self._child(spec, uid, out_fd, err_fd, workdir)  # never returns
         pidfd = os.pidfd_open(pid)
-        self.sel.register(pidfd, selectors.EVENT_READ, "child")
+        self.epoll.register(pidfd, select.EPOLLIN)
         self.running[pid] = {
             "waited_ms": (started - msg["_received"]) * 1000,
             "pidfd": pidfd,
@@ -592,7 +620,7 @@ class Zygote:
 
     def _finish(self, pid: int, wait_status: int) -> None:
         state = self.running.pop(pid)
-        self.sel.unregister(state["pidfd"])
+        self.epoll.unregister(state["pidfd"])
         os.close(state["pidfd"])
         spec: CallSpec = state["spec"]
         duration_ms = (time.monotonic() - state["started"]) * 1000
@@ -609,7 +637,7 @@ class Zygote:
         except FileNotFoundError:
             pass
         except OSError:
-            shutil.rmtree(state["workdir"], ignore_errors=True)
+            _remove_tree(state["workdir"])
         self.free_uids.append(state["uid"])
         if os.WIFEXITED(wait_status):
             exit_code, term_signal = os.WEXITSTATUS(wait_status), None
@@ -708,8 +736,8 @@ class Zygote:
             timeout = self._enforce_deadlines()
             if orphans:
                 timeout = ORPHAN_POLL_S if timeout is None else min(timeout, ORPHAN_POLL_S)
-            for key, _ in self.sel.select(timeout):
-                if key.data == "ctrl":
+            for fd, _ in self.epoll.poll(-1 if timeout is None else timeout):
+                if fd == self.ctrl:
                     if not self._read_ctrl():
                         self._shutdown()
                         return
@@ -730,7 +758,7 @@ class Zygote:
 
 
 def main() -> None:
-    cfg = orjson.loads(sys.argv[1])
+    cfg = marshal.loads(bytes.fromhex(sys.argv[-1]))
     zygote = Zygote(cfg)
     zygote.start()
     zygote.serve()

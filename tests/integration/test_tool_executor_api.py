@@ -175,7 +175,7 @@ def test_a_dead_pool_parent_fails_its_calls_and_is_restarted(http, server):
     def light_parents():
         pids = []
         for pid in server.pool_parent_pids():
-            if '"kind":"light"' in Path(f"/proc/{pid}/cmdline").read_text():
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3] == b"light":
                 pids.append(pid)
         return pids
 
