@@ -45,7 +45,8 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+# (no `typing` import: annotations stay strings, and the module would load _typing into
+# every pool parent; see LIGHT_PRELOAD in config.py)
 
 import marshal
 
