@@ -135,7 +135,7 @@ class RolloutRunner:
 
     def __init__(self, engines: Sequence[Engine], gate: AdmissionGate, tokenizer: Tokenizer, tool_client: Any, *,
                  max_model_len: int, tool_timeout_s: float, tool_response_max_chars: int,
-                 instance_id: str = "", sampling_extra: dict[str, Any] | None = None) -> None:
+                 instance_id: str = "") -> None:
         self.engines = list(engines)
         self.gate = gate
         self.tok = tokenizer
@@ -144,7 +144,6 @@ class RolloutRunner:
         self.tool_timeout_s = tool_timeout_s
         self.tool_response_max_chars = tool_response_max_chars
         self.instance_id = instance_id
-        self.sampling_extra = sampling_extra  # tests: constrain the random model
 
     def prompt_ids(self, task: RolloutTask) -> list[int]:
         ids = self.tok.encode(cf.render_prompt(task.prompt))
@@ -187,7 +186,7 @@ class RolloutRunner:
             async def generate(req: GenerateRequest) -> Generation:
                 gen = await engine.generate(
                     req, temperature=sp.temperature, top_p=sp.top_p, stop_token_ids=config.stop_token_ids,
-                    request_id=f"{rollout_id}/t{req.turn}", extra=self.sampling_extra,
+                    request_id=f"{rollout_id}/t{req.turn}",
                 )
                 GENERATED_TOKENS.inc(len(gen.token_ids))
                 return gen

@@ -59,7 +59,6 @@ class RolloutService(Service):
         self.tasks_loop: ConsumerLoop | None = None
         self.weights_loop: ConsumerLoop | None = None
         self._engines_ready = False
-        self.sampling_extra: dict[str, Any] | None = None  # tests only
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -102,7 +101,6 @@ class RolloutService(Service):
             self.engines, AdmissionGate(self.scheduler), self.tokenizer, self.tool_client,
             max_model_len=s.max_model_len, tool_timeout_s=s.tool_timeout_s,
             tool_response_max_chars=s.tool_response_max_chars, instance_id=s.instance_id,
-            sampling_extra=self.sampling_extra,
         )
         self.weights = WeightUpdater(self.engines, reference, min(e.version for e in self.engines))
         self._engines_ready = True
