@@ -1,28 +1,34 @@
 """Pool parent ("zygote"): a warm Python process that forks one sandboxed child per call.
 
-Run as ``python -m services.tool_executor.zygote KIND HEX-MARSHALLED-CONFIG`` by the service's pool
-(`pool.py`), with a scrubbed environment and one end of a socketpair as fd 3. It
+Run as ``python -m services.tool_executor.zygote KIND HEX-MARSHALLED-CONFIG`` by the
+service's pool (`pool.py`), with a scrubbed environment and one end of a socketpair (its fd
+number is in the config). It
 
-1. sets up isolation ONCE for everything it will fork (as root): its own network namespace
-   (only a loopback that stays down: no network at all), IPC and UTS namespaces, and a private
-   mount namespace in which every mount is re-bound read-only, the paths that must not be
-   seen (the service's source tree, its state dir, /root, /etc/shadow, ...) are covered by
-   empty read-only mounts, /tmp is a fresh size-limited tmpfs that holds the calls' working
-   directories, and /proc is re-mounted with ``hidepid=invisible`` (a call sees only its own
-   processes, so /proc/1/environ and the service's /proc/PID/environ do not exist for it);
-2. imports the libraries solutions use (light pool: the stdlib math set; heavy pool: also
-   numpy and sympy) and freezes the GC so children do not copy-on-write the parent's objects;
-3. serves length-prefixed JSON frames: for each call it forks a child that starts its own
-   session (process group), makes a fresh 0700 working directory, points fds 0-2 at a stdin
-   memfd and two output memfds, closes every other fd, applies rlimits (policy.rlimits_for),
-   drops all groups and switches to a uid of its own (one per concurrent slot, so calls
-   cannot signal each other and RLIMIT_NPROC counts each call separately), sets
-   no_new_privs, and runs the code (with earlier session cells replayed silently first);
-4. supervises: a wall-clock deadline per call; at the deadline, and after every call ends,
-   it kills every process of the call's uid (daemonised children and whatever escaped the
-   process group) by taking that uid for a moment (real and effective; the saved uid stays 0
-   so it can return) and sending SIGKILL to -1 — the kernel then only signals processes of
-   that uid. It is the children's subreaper, so orphans come back to it to be reaped.
+1. sets up isolation ONCE for everything it will fork (as root): a session without a
+   controlling terminal; its own network namespace (only a loopback that stays down: no
+   network at all), IPC and UTS namespaces, and a private mount namespace in which every
+   mount is re-bound read-only, the paths that must not be seen (the service's source tree,
+   its state dir, /root, /etc/shadow, ...) are covered by empty read-only mounts (with the
+   interpreter and virtualenv bound back), /tmp is a fresh size-limited tmpfs that holds the
+   calls' working directories, and /proc is re-mounted with ``hidepid=invisible`` (a call
+   sees only its own processes, so /proc/1/environ and the service's /proc/PID/environ do
+   not exist for it); no_new_privs; subreaper;
+2. imports the libraries solutions use (light pool: a short stdlib math set; heavy pool:
+   also numpy, sympy, mpmath, and a warm-up) and freezes the GC so children do not
+   copy-on-write the parent's objects. It keeps its own imports lean (see config.LIGHT_PRELOAD:
+   fork cost grows with the number of memory mappings);
+3. serves frames (4-byte length + marshal) on the socket: for each call it forks (through
+   libc, see `_fork`) a child that takes a process group of its own, makes a fresh 0700
+   working directory, points fds 0-2 at a stdin memfd (or /dev/null) and two output memfds,
+   closes every other fd, applies rlimits (policy.rlimits_for), drops all groups and switches
+   to a uid of its own (one per concurrent slot, so calls cannot signal each other and
+   RLIMIT_NPROC counts each call separately), and runs the code (with earlier session cells
+   replayed silently first). It holds calls beyond its slots in a small queue of its own;
+4. supervises: each child's pidfd tells when it exits; a wall-clock deadline per call; at the
+   deadline, and after every call ends, it kills every process of the call's uid (daemonised
+   children and whatever escaped the process group) by taking that uid for a moment (real and
+   effective; the saved uid stays 0 so it can return) and sending SIGKILL to -1 — the kernel
+   then only signals processes of that uid. Orphans come back to it (subreaper) and are reaped.
 
 If namespaces cannot be created or privileges cannot be dropped, it still serves but reports
 that in its hello frame; the service refuses to use it unless configured `insecure`.
