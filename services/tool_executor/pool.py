@@ -2,13 +2,15 @@
 and hands each call to a free slot through a bounded queue.
 
 - Two kinds of pool parents (policy.choose_kind): `workers` light ones and `workers` heavy
-  ones, each running up to `slots_per_worker` calls at once (each slot has its own uid).
-- A call takes a slot token from its kind's queue of free slots. If none is free it waits,
+  ones, each running up to `slots_per_worker` calls at once (each slot has its own uid) and
+  holding up to `prefetch_per_worker` more in its own queue, so it never waits for the next
+  call to travel from here when a slot frees.
+- A call takes a token (a place in a parent) from its kind's queue of free tokens. If none is free it waits,
   unless `queue_max` single calls are already waiting: then it is answered `rejected` at
   once (backpressure; HTTP 429). Batch items (admitted as a whole by the runtime) wait
   without that check — the runtime bounds them separately.
-- A slot is given back when the pool parent answers, not when the awaiting coroutine ends, so
-  a cancelled request can never make a parent run more calls than it has slots.
+- A token is given back when the pool parent answers, not when the awaiting coroutine ends,
+  so a cancelled request can never make a parent hold more calls than it has tokens.
 - A pool parent that dies fails its running calls with an `error` result that says so, and is
   restarted in place (same uids; the new one kills anything left of them first).
 """
