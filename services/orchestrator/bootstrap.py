@@ -299,7 +299,9 @@ def bootstrap_tiny_model(cache_dir: str | Path, *, minutes: float = 8.0, seed: i
             info: dict[str, Any] = {
                 "settings": dataclasses.asdict(s), "digest": s.digest(), "format_version": FORMAT_VERSION,
                 "base_model": str(base),
-                "train": {k: v for k, v in dataclasses.asdict(summary).items() if k not in ("loss_curve", "settings")},
+                # Not out_dir/sha256: they describe the staging directory before this file.
+                "train": {k: v for k, v in dataclasses.asdict(summary).items()
+                          if k not in ("loss_curve", "settings", "out_dir", "sha256")},
                 "loss_curve": summary.loss_curve,
             }
             if eval_problems > 0:
@@ -310,6 +312,9 @@ def bootstrap_tiny_model(cache_dir: str | Path, *, minutes: float = 8.0, seed: i
                 metrics, samples = evaluate_greedy(model, tokenizer, problems)
                 info["eval_greedy"] = metrics
                 info["eval_examples"] = samples[:5]
+            # The random init's build record would make create_random_model() mistake this
+            # trained directory for a random model of the same shape.
+            (model_dir / "tiny_model.json").unlink(missing_ok=True)
             (model_dir / BOOTSTRAP_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
             fsync_tree(model_dir)
             os.rename(model_dir, final)

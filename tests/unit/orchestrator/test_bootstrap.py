@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -64,13 +65,14 @@ def test_smoke_training_lowers_the_loss_and_is_cached(tmp_path):
     assert calls[-1]["loss"] < calls[0]["loss"]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (path / name).is_file(), name
+    assert not (path / "tiny_model.json").exists()
     # The trained weights load in transformers and differ from the random init.
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(path)
     trained = load_file(path / "model.safetensors")
-    init = load_file(__import__("pathlib").Path(info["base_model"]) / "model.safetensors")
+    init = load_file(Path(info["base_model"]) / "model.safetensors")
     assert trained.keys() == init.keys()
     assert any(not (trained[k] == init[k]).all() for k in trained)
     # Second call: reused, no training (the log callback is never called).
