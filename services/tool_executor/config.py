@@ -39,7 +39,9 @@ UIDS_PER_REPLICA = 1000
 def _default_hidden() -> list[str]:
     # The service's source tree and state (the repo; the interpreter and virtualenv stay visible
     # because they are bound back), home directories, and password hashes.
-    return [str(_REPO_ROOT), str(_REPO_ROOT.parent), "/root", "/home", "/etc/shadow", "/etc/gshadow", "/var/lib/postgresql"]
+    # /run holds daemons' unix sockets (databases); the seccomp filter refuses AF_UNIX sockets
+    # anyway, hiding them is the second line.
+    return [str(_REPO_ROOT), str(_REPO_ROOT.parent), "/root", "/home", "/run", "/etc/shadow", "/etc/gshadow", "/var/lib/postgresql", "/var/lib/mysql"]
 
 
 class Settings(ServiceSettings):

@@ -312,6 +312,56 @@ def _remove_tree(path: str) -> None:
         pass
 
 
+# seccomp: refuse socket(AF_UNIX, ...) to every call. The network namespace already isolates
+# IP and abstract unix sockets, but a unix socket *file* anywhere visible (a database's
+# /run/postgresql/.s.PGSQL.5432 is mode 0777 and trusts local users) could be connected to
+# through the read-only mounts: connect() needs no write access to the mount. socketpair()
+# (asyncio, multiprocessing) stays allowed: it reaches nothing outside the call.
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+AUDIT_ARCH_X86_64 = 0xC000003E
+X32_SYSCALL_BIT = 0x40000000
+NR_SOCKET_X86_64 = 41
+AF_UNIX = 1
+SECCOMP_RET_KILL_PROCESS = 0x80000000
+SECCOMP_RET_ERRNO = 0x00050000
+SECCOMP_RET_ALLOW = 0x7FFF0000
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def install_seccomp_no_unix_sockets() -> None:
+    """Inherited by every child. Other architectures' syscall entry points (i386 int 0x80,
+    x32) are refused outright so the filter cannot be sidestepped through them."""
+    import errno
+
+    machine = os.uname().machine
+    if machine != "x86_64":
+        raise OSError(errno.ENOSYS, f"seccomp filter written for x86_64, not {machine}")
+    program = [
+        (_BPF_LD_W_ABS, 0, 0, 4),  # arch
+        (_BPF_JEQ_K, 1, 0, AUDIT_ARCH_X86_64),
+        (_BPF_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS),
+        (_BPF_LD_W_ABS, 0, 0, 0),  # syscall number
+        (_BPF_JGE_K, 4, 0, X32_SYSCALL_BIT),
+        (_BPF_JEQ_K, 0, 2, NR_SOCKET_X86_64),
+        (_BPF_LD_W_ABS, 0, 0, 16),  # args[0] (low 32 bits): the address family
+        (_BPF_JEQ_K, 1, 0, AF_UNIX),
+        (_BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+        (_BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.EACCES),
+    ]
+    filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
+    prog = _SockFprog(len(program), filters)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+
+
 def _vm_size_bytes() -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -431,7 +481,20 @@ class Zygote:
         preload_ms = (time.perf_counter() - t0) * 1000
         self.work_root = setup_filesystem(self.report, self.cfg["hidden_paths"], int(self.cfg["tmpfs_mb"]))
         self.report["uid_drop"] = self.is_root
-        self.report["secure"] = bool(self.report["netns"] and self.report["mountns"] and self.is_root and self.report.get("private_tmp") and self.report.get("hidepid"))
+        try:
+            install_seccomp_no_unix_sockets()
+            self.report["seccomp_no_unix_sockets"] = True
+        except OSError as exc:
+            self.report["seccomp_no_unix_sockets"] = False
+            self.report["errors"].append(f"seccomp filter: {exc}")
+        self.report["secure"] = bool(
+            self.report["netns"]
+            and self.report["mountns"]
+            and self.is_root
+            and self.report.get("private_tmp")
+            and self.report.get("hidepid")
+            and self.report.get("seccomp_no_unix_sockets")
+        )
         self.base_as = _vm_size_bytes()
         self.child_stdio = (
             io.open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False),  # noqa: SIM115

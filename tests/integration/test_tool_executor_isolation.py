@@ -130,6 +130,29 @@ def test_no_network_to_loopback_or_to_a_listening_port(http, server):
     assert_contained(http, server)
 
 
+def test_no_unix_socket_files(http, server, tmp_path):
+    """A unix socket file the host can see (databases put world-writable ones in /run) is out
+    of reach: the sandbox refuses AF_UNIX sockets (seccomp) and hides /run."""
+    host_socket = socket.socket(socket.AF_UNIX)
+    path = Path("/var/tmp") / f"te-test-{os.getpid()}.sock"  # visible (read-only) in the sandbox
+    host_socket.bind(str(path))
+    os.chmod(path, 0o777)
+    host_socket.listen(1)
+    try:
+        targets = [str(path)] + [str(p) for p in Path("/run").glob("*/*") if p.is_socket()]
+        for target in targets:
+            r = run(http, f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({target!r})\nprint('connected')")
+            assert r["status"] == "error" and "connected" not in r["stdout"], (target, r)
+            assert "PermissionError" in r["stderr"]
+    finally:
+        host_socket.close()
+        path.unlink()
+    # socketpair (asyncio's self-pipe, multiprocessing) still works.
+    r = run(http, "import asyncio\nasync def f():\n    await asyncio.sleep(0)\n    return 5\nprint(asyncio.run(f()))")
+    assert (r["status"], r["stdout"]) == ("ok", "5\n")
+    assert_contained(http, server)
+
+
 def test_no_dns(http, server):
     r = run(http, "import socket\nprint(socket.getaddrinfo('pypi.org', 443))")
     assert r["status"] == "error" and "gaierror" in r["stderr"]
@@ -274,6 +297,7 @@ def test_readyz_says_isolated(http):
     assert body["ready"] and body["checks"]["sandbox_isolated"] is True
     health = http.get("/healthz").json()
     assert health["secure"] is True and health["isolation"]["netns"] and health["isolation"]["hidepid"]
+    assert health["isolation"]["seccomp_no_unix_sockets"] is True
 
 
 def test_pool_parents_hold_none_of_the_service_environment(server):
