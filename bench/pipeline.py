@@ -81,6 +81,14 @@ class Sampler(threading.Thread):
             self.stop_flag.wait(SAMPLE_S)
 
 
+async def _with_sessions(url: str, job):
+    engine = make_engine(url)
+    try:
+        return await job(session_factory(engine))
+    finally:
+        await engine.dispose()
+
+
 async def _wait(sessions, run_id: str, timeout: float) -> None:
     from sqlalchemy import select
 
@@ -99,10 +107,7 @@ def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) ->
         name=f"bench-eta{eta}", model=model, dataset={"kind": "generated", "n_train": 500, "n_eval": 5, "seed": 0},
         group_size=args.group_size, n_samples=2 * args.group_size, batch_groups=args.batch_groups, max_staleness=eta,
         lr=1e-5, warmup_steps=0, stages=[{"stage": 1, "steps": args.steps, "max_tokens": args.max_tokens, "max_turns": 3}]))
-    engine = make_engine(info.database_url)
-    sessions = session_factory(engine)
-    run_id = asyncio.run(create_run(sessions, cfg))
-    asyncio.run(engine.dispose())
+    run_id = asyncio.run(_with_sessions(info.database_url, lambda sessions: create_run(sessions, cfg)))
     env = {"RSTAR_KAFKA_BOOTSTRAP": info.kafka_bootstrap, "RSTAR_DATABASE_URL": info.database_url,
            "RSTAR_TOPIC_PREFIX": f"bench{eta}-{run_id}.", "VLLM_CPU_KVCACHE_SPACE": "1"}
     # Tasks dispatched before the rollout is up wait in the topic; timing starts once every
@@ -116,8 +121,7 @@ def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) ->
         learner_before = sampler.learner_step_seconds()
         sampler.start()
         t0 = time.monotonic()
-        engine = make_engine(info.database_url)
-        asyncio.run(_wait(session_factory(engine), run_id, args.timeout))
+        asyncio.run(_with_sessions(info.database_url, lambda sessions: _wait(sessions, run_id, args.timeout)))
         wall = time.monotonic() - t0
         sampler.stop_flag.set()
         sampler.join()
