@@ -24,11 +24,13 @@ number is in the config). It
    to a uid of its own (one per concurrent slot, so calls cannot signal each other and
    RLIMIT_NPROC counts each call separately), and runs the code (with earlier session cells
    replayed silently first). It holds calls beyond its slots in a small queue of its own;
-4. supervises: each child's pidfd tells when it exits; a wall-clock deadline per call; at the
-   deadline, and after every call ends, it kills every process of the call's uid (daemonised
-   children and whatever escaped the process group) by taking that uid for a moment (real and
-   effective; the saved uid stays 0 so it can return) and sending SIGKILL to -1 — the kernel
-   then only signals processes of that uid. Orphans come back to it (subreaper) and are reaped.
+4. supervises: each child's pidfd tells when it exits; a wall-clock deadline per call kills
+   the process and its group. Everything a call leaves behind (daemonised children, setsid
+   escapes) is re-parented to this process (subreaper) when the call's main process ends, and
+   is SIGKILLed as its parent, pass after pass, until none is left; until then the call's uid
+   is not given to another call. (Killing by uid — taking the uid and sending SIGKILL to -1 —
+   is used only at start and shutdown: while the parent holds a call's uid, that call's
+   processes could signal it.)
 
 If namespaces cannot be created or privileges cannot be dropped, it still serves but reports
 that in its hello frame; the service refuses to use it unless configured `insecure`.
@@ -444,6 +446,7 @@ class Zygote:
         self.max_output_chars = int(cfg["max_output_chars"])
         self.is_root = os.geteuid() == 0
         self.free_uids = [self.uid_base + i for i in range(self.slots)]
+        self.quarantined_uids: list[int] = []  # uids whose call left processes not yet ended
         self.running: dict[int, dict[str, Any]] = {}  # pid -> call state
         self.backlog: collections.deque[dict[str, Any]] = collections.deque()  # calls waiting for a slot
         self.seq = 0
@@ -677,7 +680,10 @@ class Zygote:
             os._exit(status)
 
     def _kill_uid(self, uid: int) -> None:
-        """SIGKILL every process whose real uid is `uid` (see module docstring)."""
+        """SIGKILL every process whose real uid is `uid`. Used only at start and shutdown, for
+        processes that are not (or no longer) our descendants: while this parent holds the
+        uid, a process of that uid could signal it, so calls' leftovers are handled by
+        `_kill_orphans` instead, which needs no uid switch."""
         if not self.is_root:
             return
         os.setresuid(uid, uid, 0)
@@ -694,7 +700,12 @@ class Zygote:
         os.close(state["pidfd"])
         spec: CallSpec = state["spec"]
         duration_ms = (time.monotonic() - state["started"]) * 1000
-        self._kill_uid(state["uid"])
+        # Whatever the call left running (daemons, a process group, setsid escapes) is now
+        # our child (subreaper): its uid stays out of use until `_kill_orphans` has ended it.
+        if self._orphans():
+            self.quarantined_uids.append(state["uid"])
+        else:
+            self.free_uids.append(state["uid"])
         outputs = []
         sizes = []
         for fd in (state["out"], state["err"]):
@@ -708,7 +719,6 @@ class Zygote:
             pass
         except OSError:
             _remove_tree(state["workdir"])
-        self.free_uids.append(state["uid"])
         if os.WIFEXITED(wait_status):
             exit_code, term_signal = os.WEXITSTATUS(wait_status), None
         else:
@@ -772,15 +782,31 @@ class Zygote:
                 self._finish(pid, wait_status)
             # else: an orphan of some call, reparented to us (subreaper): reaped, nothing to do
 
-    def _orphans_left(self) -> bool:
-        """Children that are not running calls: orphans of finished calls, killed but not yet
-        reaped (they exit asynchronously, and no pidfd watches them)."""
+    def _orphans(self) -> list[int]:
+        """Our children that are not a call's main process: everything a call left behind
+        (after its main process ends, all its descendants are re-parented to us, the
+        subreaper), or a running call's processes whose parent already exited."""
         try:
             with open(self.children_path) as fh:
                 children = fh.read().split()
         except OSError:
-            return False
-        return any(int(pid) not in self.running for pid in children)
+            return []
+        return [pid for pid in map(int, children) if pid not in self.running]
+
+    def _kill_orphans(self) -> bool:
+        """SIGKILL the orphans (as their parent: their pids cannot be reused before we reap
+        them), and release the quarantined uids once none is left. Their own children come
+        back to us in turn and die on the next pass. True while any remain."""
+        orphans = self._orphans()
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not orphans and self.quarantined_uids:
+            self.free_uids.extend(self.quarantined_uids)
+            self.quarantined_uids.clear()
+        return bool(orphans)
 
     def _enforce_deadlines(self) -> float | None:
         now = time.monotonic()
@@ -790,11 +816,13 @@ class Zygote:
                 continue
             if now >= state["deadline"]:
                 state["timed_out"] = True
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self._kill_uid(state["uid"])
+                # The process and its group (pgid = pid, not reusable until we reap it); what
+                # escaped the group becomes an orphan and `_kill_orphans` ends it.
+                for kill in (os.kill, os.killpg):
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
             elif next_deadline is None or state["deadline"] < next_deadline:
                 next_deadline = state["deadline"]
         return None if next_deadline is None else max(0.0, next_deadline - now)
@@ -814,11 +842,11 @@ class Zygote:
             # A readable pidfd means that child exited; reaping also collects orphans of
             # earlier calls that came back to us as subreaper.
             self._reap()
+            orphans = self._kill_orphans() or bool(self.quarantined_uids)
             self._start_backlog()
-            orphans = self._orphans_left()
 
     def _shutdown(self) -> None:
-        for pid in list(self.running):
+        for pid in [*self.running, *self._orphans()]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -227,6 +227,24 @@ def test_cannot_signal_parent_service_or_other_calls(http, server):
     assert_contained(http, server)
 
 
+def test_leftover_that_keeps_signalling_its_new_parent_cannot_kill_it(http, server):
+    """After the call, a leftover daemon is re-parented to the pool parent and spins on
+    kill(getppid()): the parent never takes the call's uid, so it survives (same pid)."""
+    parents_before = sorted(server.pool_parent_pids())
+    code = (
+        "import os, time\nfirst = os.getppid()\n"
+        "if os.fork() == 0:\n    os.setsid()\n    end = time.time() + 3\n"
+        "    while time.time() < end:\n        for pid in (first, os.getppid()):\n"
+        "            try:\n                os.kill(pid, 9)\n            except OSError:\n                pass\n    os._exit(0)\n"
+        "print('spawned')"
+    )
+    for _ in range(5):
+        r = run(http, code)
+        assert (r["status"], r["stdout"]) == ("ok", "spawned\n")
+    assert_contained(http, server)
+    assert sorted(server.pool_parent_pids()) == parents_before
+
+
 def test_daemonised_child_is_killed_after_the_call(http, server):
     code = (
         "import os, time\n"
