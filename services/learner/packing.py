@@ -26,6 +26,9 @@ tokens only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -57,13 +60,15 @@ class TrainSequence:
 
 @dataclass
 class MicroBatch:
-    input_ids: list[list[int]]  # [rows][cols], rows padded to the same length
-    position_ids: list[list[int]]
-    pred_index: list[int] = field(default_factory=list)  # flat row*cols+col of the predicting hidden state
-    targets: list[int] = field(default_factory=list)
-    behaviour: list[float] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
-    seq_of_token: list[int] = field(default_factory=list)  # index into the step's sequences
+    """Arrays (numpy from :func:`build_micro_batch`; plain lists are accepted too)."""
+
+    input_ids: Any  # [rows, cols] int64, rows padded to the same length
+    position_ids: Any  # [rows, cols] int64
+    pred_index: Any = field(default_factory=list)  # [loss tokens] flat row*cols+col of the predicting hidden state
+    targets: Any = field(default_factory=list)  # [loss tokens] token ids
+    behaviour: Any = field(default_factory=list)  # [loss tokens] behaviour logprobs
+    advantages: Any = field(default_factory=list)  # [loss tokens]
+    seq_of_token: Any = field(default_factory=list)  # [loss tokens] index into the step's sequences
     n_tokens: int = 0  # real (non-pad) tokens
 
     @property
@@ -72,7 +77,7 @@ class MicroBatch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return len(self.input_ids), len(self.input_ids[0]) if self.input_ids else 0
+        return len(self.input_ids), (len(self.input_ids[0]) if len(self.input_ids) else 0)
 
 
 def plan_rows(lengths: list[int], row_capacity: int) -> list[list[int]]:
@@ -107,37 +112,55 @@ def plan_micro_batches(lengths: list[int], micro_batch_tokens: int, row_tokens: 
 
 
 def build_micro_batch(sequences: list[TrainSequence], rows: list[list[int]], pad_id: int) -> MicroBatch:
-    """Concatenate the sequences of each row; pad rows to the longest; index the loss tokens."""
-    mb = MicroBatch(input_ids=[], position_ids=[])
-    predictors: list[tuple[int, int]] = []  # (row, column) of the hidden state predicting each loss token
+    """Concatenate the sequences of each row; pad rows to the longest; index the loss tokens.
+
+    Vectorised with numpy: a 64K-token GRPO step packs in a few milliseconds, which matters
+    next to a GPU step of well under a second.
+    """
+    width = max((sum(len(sequences[s]) for s in row) for row in rows), default=0)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    pos = np.zeros((len(rows), width), dtype=np.int64)
+    pred: list[np.ndarray] = []
+    targets: list[np.ndarray] = []
+    behaviour: list[np.ndarray] = []
+    advantages: list[np.ndarray] = []
+    seq_of: list[np.ndarray] = []
+    n_tokens = 0
     for r, row in enumerate(rows):
-        ids: list[int] = []
-        pos: list[int] = []
+        col = 0
         for s in row:
             seq = sequences[s]
-            start = len(ids)
-            p = len(seq.prompt_ids)
-            ids.extend(seq.prompt_ids)
-            ids.extend(seq.response_ids)
-            pos.extend(range(p + len(seq.response_ids)))
-            for j, m in enumerate(seq.loss_mask):
-                if m and p + j >= 1:
-                    predictors.append((r, start + p + j - 1))
-                    mb.targets.append(seq.response_ids[j])
-                    mb.behaviour.append(seq.behaviour_logprobs[j] if seq.behaviour_logprobs is not None else 0.0)
-                    mb.advantages.append(seq.advantage)
-                    mb.seq_of_token.append(s)
-        mb.input_ids.append(ids)
-        mb.position_ids.append(pos)
-        mb.n_tokens += len(ids)
-    width = max((len(r) for r in mb.input_ids), default=0)
-    mb.pred_index = [r * width + c for r, c in predictors]
-    for ids, pos in zip(mb.input_ids, mb.position_ids):
-        pad = width - len(ids)
-        if pad:
-            ids.extend([pad_id] * pad)
-            pos.extend(range(pad))  # a pseudo-sequence of its own: attends only to itself
-    return mb
+            p, n = len(seq.prompt_ids), len(seq.response_ids)
+            if p:
+                ids[r, col : col + p] = seq.prompt_ids
+            if n:
+                ids[r, col + p : col + p + n] = seq.response_ids
+            pos[r, col : col + p + n] = np.arange(p + n)
+            j = np.flatnonzero(np.asarray(seq.loss_mask, dtype=bool))
+            if p == 0:
+                j = j[j >= 1]  # the first token of a sequence has no predecessor
+            if j.size:
+                pred.append(r * width + col + p + j - 1)
+                resp = np.asarray(seq.response_ids, dtype=np.int64)
+                targets.append(resp[j])
+                if seq.behaviour_logprobs is not None:
+                    behaviour.append(np.asarray(seq.behaviour_logprobs, dtype=np.float32)[j])
+                else:
+                    behaviour.append(np.zeros(j.size, dtype=np.float32))
+                advantages.append(np.full(j.size, seq.advantage, dtype=np.float32))
+                seq_of.append(np.full(j.size, s, dtype=np.int64))
+            col += p + n
+        if col < width:
+            pos[r, col:] = np.arange(width - col)  # padding: a pseudo-sequence of its own
+        n_tokens += col
+
+    def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    return MicroBatch(input_ids=ids, position_ids=pos, pred_index=cat(pred, np.int64),
+                      targets=cat(targets, np.int64), behaviour=cat(behaviour, np.float32),
+                      advantages=cat(advantages, np.float32), seq_of_token=cat(seq_of, np.int64),
+                      n_tokens=n_tokens)
 
 
 def pack(sequences: list[TrainSequence], micro_batch_tokens: int, pad_id: int, row_tokens: int = 0) -> list[MicroBatch]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from services.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
@@ -133,6 +134,13 @@ class LogprobModel(torch.nn.Module):
         return chunked_token_logprobs(flat, self.model.get_output_embeddings().weight, targets, self.chunk_tokens)
 
 
+def _as_tensor(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """numpy arrays (the packer's output) without a per-element copy; lists too."""
+    arr = np.asarray(values)
+    t = torch.from_numpy(arr) if arr.dtype != object else torch.tensor(values)
+    return t.to(device=device, dtype=dtype, non_blocking=True)
+
+
 def _empty_micro_batch(pad_id: int) -> MicroBatch:
     return MicroBatch(input_ids=[[pad_id]], position_ids=[[0]])
 
@@ -219,10 +227,10 @@ class PolicyTrainer:
     # ------------------------------------------------------------------ forward
     def forward_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log π(target) per loss token, entropy per loss token) for one micro-batch."""
-        ids = torch.tensor(mb.input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(mb.position_ids, dtype=torch.long, device=self.device)
-        index = torch.tensor(mb.pred_index, dtype=torch.long, device=self.device)
-        targets = torch.tensor(mb.targets, dtype=torch.long, device=self.device)
+        ids = _as_tensor(mb.input_ids, torch.long, self.device)
+        pos = _as_tensor(mb.position_ids, torch.long, self.device)
+        index = _as_tensor(mb.pred_index, torch.long, self.device)
+        targets = _as_tensor(mb.targets, torch.long, self.device)
         return self.net(ids, pos, index, targets)
 
     def _split_updates(self, sequences: list[TrainSequence]) -> list[list[TrainSequence]]:
@@ -286,8 +294,8 @@ class PolicyTrainer:
                         (self.forward_logprobs(_with_one_token(mb))[0].sum() * 0.0).backward()
                     continue
                 logp, entropy = self.forward_logprobs(mb)
-                behav = torch.tensor(mb.behaviour, dtype=torch.float32, device=self.device)
-                adv = torch.tensor(mb.advantages, dtype=torch.float32, device=self.device)
+                behav = _as_tensor(mb.behaviour, torch.float32, self.device)
+                adv = _as_tensor(mb.advantages, torch.float32, self.device)
                 mask = torch.ones_like(adv)
                 logp_prox = prox.get(id(mb), logp.detach()) if loss_cfg.needs_proximal else None
                 loss, mb_stats = policy_loss(logp, logp_prox, behav, adv, mask, config=loss_cfg,
@@ -378,6 +386,6 @@ class PolicyTrainer:
             if mb.n_loss_tokens == 0:
                 continue
             logp, _ = self.forward_logprobs(mb)
-            for s, v in zip(mb.seq_of_token, logp.tolist()):
+            for s, v in zip(np.asarray(mb.seq_of_token).tolist(), logp.tolist()):
                 out[s].append(v)
         return out
