@@ -206,7 +206,7 @@ def gpu(args, dry_run: bool) -> dict[str, float]:
 
     device = torch.device("cpu" if dry_run else "cuda")
     shapes = TOY_SHAPES if dry_run else QWEN2_SHAPES
-    lengths = [64, 128] if dry_run else args.seq_lens
+    lengths = [128] if dry_run else args.seq_lens
     tokens_per_step = 512 if dry_run else args.gpu_tokens_per_step
     micro = 256 if dry_run else args.gpu_micro_batch_tokens
     out: dict[str, float] = {}
@@ -228,14 +228,20 @@ def gpu(args, dry_run: bool) -> dict[str, float]:
             fpt = flops_per_token(model, seq_len)
             peak = args.peak_tflops * 1e12
             mb = max(micro, seq_len)
-            res = bench_learner(model, seqs, device, micro_batch_tokens=mb, row_tokens=seq_len, proximal=False,
-                                warmup=args.warmup, steps=args.steps, chunk=args.chunk,
-                                gradient_checkpointing=args.gradient_checkpointing)
+            try:
+                res = bench_learner(model, seqs, device, micro_batch_tokens=mb, row_tokens=seq_len, proximal=False,
+                                    warmup=args.warmup, steps=args.steps, chunk=args.chunk,
+                                    gradient_checkpointing=args.gradient_checkpointing)
+                out[f"{tag}_grpo_step_tokens_per_s"] = bench_learner(
+                    model, seqs, device, micro_batch_tokens=mb, row_tokens=seq_len, proximal=True, warmup=1,
+                    steps=args.steps, chunk=args.chunk, gradient_checkpointing=args.gradient_checkpointing)
+            except torch.OutOfMemoryError as exc:  # report it and go on with the next configuration
+                print(f"{tag}: learner out of memory at {mb} tokens per micro-batch "
+                      f"(try --gpu-micro-batch-tokens {mb // 2} or --gradient-checkpointing): {exc}", flush=True)
+                res = float("nan")
+                out[f"{tag}_grpo_step_tokens_per_s"] = float("nan")
             out[f"{tag}_tokens_per_s"] = res
             out[f"{tag}_mfu"] = res * fpt / peak
-            out[f"{tag}_grpo_step_tokens_per_s"] = bench_learner(
-                model, seqs, device, micro_batch_tokens=mb, row_tokens=seq_len, proximal=True, warmup=1,
-                steps=args.steps, chunk=args.chunk, gradient_checkpointing=args.gradient_checkpointing)
             del model
             gc.collect()
             if device.type == "cuda":
@@ -247,6 +253,7 @@ def gpu(args, dry_run: bool) -> dict[str, float]:
                 out[f"{tag}_speedup_vs_hf"] = res / base
             except torch.OutOfMemoryError:  # the baseline's full logits may not fit; say so
                 out[f"{tag}_hf_baseline_tokens_per_s"] = float("nan")
+                out[f"{tag}_speedup_vs_hf"] = float("nan")
             gc.collect()
             if device.type == "cuda":
                 out[f"{tag}_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -289,8 +296,14 @@ def main() -> None:
         if args.gpu:
             result["gpu_name"] = torch.cuda.get_device_name(0)  # type: ignore[assignment]
     print("Headline figures (tokens/s = prompt+response tokens trained per second; mfu = fraction of peak bf16):")
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) and v < 10 else round(v, 1) if isinstance(v, float) else v)
-                      for k, v in result.items()}))
+    def fmt(v):
+        if not isinstance(v, float):
+            return v
+        if v != v:  # NaN (out of memory) → null in JSON
+            return None
+        return round(v, 4) if v < 10 else round(v, 1)
+
+    print(json.dumps({k: fmt(v) for k, v in result.items()}))
 
 
 if __name__ == "__main__":
