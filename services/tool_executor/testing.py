@@ -16,6 +16,11 @@ from pathlib import Path
 import httpx
 
 
+# Without root the service refuses to start unless told `insecure`: tests of the API (not of
+# the isolation) still run there, explicitly insecure.
+NOT_ROOT_ENV = {} if os.geteuid() == 0 else {"RSTAR_TOOL_EXECUTOR_INSECURE": "true"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from services.tool_executor.testing import running_server
+from services.tool_executor.testing import NOT_ROOT_ENV, running_server
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def server():
         "RSTAR_TOOL_EXECUTOR_SESSION_TTL_S": "2",
         "RSTAR_TOOL_EXECUTOR_SESSION_MAX_CELLS": "3",
     }
-    with running_server(env) as srv:
+    with running_server({**env, **NOT_ROOT_ENV}) as srv:
         yield srv
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from services.tool_executor.client import ToolExecutorClient, ToolExecutorRequestError, ToolExecutorUnavailable
-from services.tool_executor.testing import free_port, running_server
+from services.tool_executor.testing import NOT_ROOT_ENV, free_port, running_server
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def tight_server():
         "RSTAR_TOOL_EXECUTOR_BATCH_BACKLOG_MAX": "10",
         "RSTAR_TOOL_EXECUTOR_UID_BASE": "330000",
     }
-    with running_server(env) as srv:
+    with running_server({**env, **NOT_ROOT_ENV}) as srv:
         yield srv
 
 
