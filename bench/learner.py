@@ -184,16 +184,24 @@ def cpu_tiny(args) -> dict[str, float]:
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
 
-    out = {}
-    out["cpu_tiny_tokens_per_s"] = bench_learner(fresh(), seqs, device, micro_batch_tokens=args.cpu_micro_batch_tokens,
-                                                 row_tokens=args.cpu_seq_len, proximal=False,
-                                                 warmup=args.warmup, steps=args.steps)
-    out["cpu_tiny_grpo_step_tokens_per_s"] = bench_learner(
-        fresh(), seqs, device, micro_batch_tokens=args.cpu_micro_batch_tokens, row_tokens=args.cpu_seq_len,
-        proximal=True, warmup=args.warmup, steps=args.steps)
-    out["cpu_tiny_hf_baseline_tokens_per_s"] = bench_hf_baseline(
-        fresh(), seqs, device, rows_per_micro_batch=max(1, args.cpu_micro_batch_tokens // args.cpu_seq_len),
-        warmup=args.warmup, steps=args.steps, gradient_checkpointing=False)
+    # The CPU is shared (other jobs come and go): the three measurements are interleaved over
+    # several rounds and each keeps its best round, so a busy moment does not pick the winner.
+    rows = max(1, args.cpu_micro_batch_tokens // args.cpu_seq_len)
+    runs = {
+        "cpu_tiny_tokens_per_s": lambda: bench_learner(
+            fresh(), seqs, device, micro_batch_tokens=args.cpu_micro_batch_tokens, row_tokens=args.cpu_seq_len,
+            proximal=False, warmup=args.warmup, steps=args.steps),
+        "cpu_tiny_grpo_step_tokens_per_s": lambda: bench_learner(
+            fresh(), seqs, device, micro_batch_tokens=args.cpu_micro_batch_tokens, row_tokens=args.cpu_seq_len,
+            proximal=True, warmup=args.warmup, steps=args.steps),
+        "cpu_tiny_hf_baseline_tokens_per_s": lambda: bench_hf_baseline(
+            fresh(), seqs, device, rows_per_micro_batch=rows, warmup=args.warmup, steps=args.steps,
+            gradient_checkpointing=False),
+    }
+    out: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for key, run in runs.items():
+            out[key] = max(out.get(key, 0.0), run())
     print(f"CPU tiny model ({sum(p.numel() for p in fresh().parameters()) / 1e6:.2f}M params, "
           f"{args.cpu_seqs} x {args.cpu_seq_len} tokens/step, {torch.get_num_threads()} threads): "
           f"learner {out['cpu_tiny_tokens_per_s']:.0f} tok/s, with proximal pass "
@@ -273,6 +281,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="CPU: interleaved rounds, best kept")
     ap.add_argument("--cpu-seqs", type=int, default=16)
     ap.add_argument("--cpu-seq-len", type=int, default=512)
     ap.add_argument("--cpu-micro-batch-tokens", type=int, default=4096)
