@@ -24,7 +24,6 @@ from shared.settings import load_settings
 from test_learner_service import _group, _weights, tiny_model_dir  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.integration
-RUN = "run-learner-it"
 
 
 class Crash(BaseException):
@@ -32,9 +31,10 @@ class Crash(BaseException):
 
 
 async def test_crash_after_checkpoint_before_commit_then_restart(stack, topic_prefix, tiny_model_dir, tmp_path):  # noqa: F811
+    run = f"crash-{topic_prefix}"  # this test's own rows in the shared database
     settings = load_settings(
         Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url, topic_prefix=topic_prefix,
-        port=stack_mod._free_port(), model_dir=tiny_model_dir, checkpoint_dir=tmp_path / "ckpt", run_id=RUN,
+        port=stack_mod._free_port(), model_dir=tiny_model_dir, checkpoint_dir=tmp_path / "ckpt", run_id=run,
         groups_per_step=2, max_staleness=1, lr=1e-3, warmup_steps=0, device="cpu", heartbeat_s=1.0,
     )
     await ensure_topics(stack.kafka_bootstrap, topic_prefix)
@@ -55,12 +55,12 @@ async def test_crash_after_checkpoint_before_commit_then_restart(stack, topic_pr
         svc._announce = announce_then_die  # type: ignore[method-assign]
         task = asyncio.create_task(run_service(svc, settings, install_signals=False))
         for gid in ("a", "b"):
-            await producer.send(settings.topic(topics.SCORED), _group(gid, version=0), key=gid)
+            await producer.send(settings.topic(topics.SCORED), _group(gid, version=0, run_id=run), key=gid)
         await asyncio.wait_for(task, 180)
         weights_dir = svc.engine.store.weights_dir(1)
         assert weights_dir.is_dir()  # the checkpoint was written before the crash
         async with sessions() as s:
-            assert (await s.execute(select(LearnerStep).where(LearnerStep.run_id == RUN))).first() is None
+            assert (await s.execute(select(LearnerStep).where(LearnerStep.run_id == run))).first() is None
 
         svc2 = LearnerService(settings)
         task2 = asyncio.create_task(run_service(svc2, settings, install_signals=False))
@@ -77,8 +77,8 @@ async def test_crash_after_checkpoint_before_commit_then_restart(stack, topic_pr
         svc2.request_stop()
         await asyncio.wait_for(task2, 60)
         async with sessions() as s:
-            rows = (await s.execute(select(LearnerStep).where(LearnerStep.run_id == RUN))).scalars().all()
-            versions = (await s.execute(select(PolicyVersion.version).where(PolicyVersion.run_id == RUN)
+            rows = (await s.execute(select(LearnerStep).where(LearnerStep.run_id == run))).scalars().all()
+            versions = (await s.execute(select(PolicyVersion.version).where(PolicyVersion.run_id == run)
                                         .order_by(PolicyVersion.version))).scalars().all()
         assert [(r.step, r.version, r.n_groups) for r in rows] == [(1, 1, 2)]  # recorded once, on restart
         assert versions == [0, 1]

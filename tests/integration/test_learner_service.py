@@ -38,7 +38,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return create_random_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-def _group(gid: str, version: int, stage: int = 1) -> ScoredGroup:
+def _group(gid: str, version: int, stage: int = 1, run_id: str = RUN) -> ScoredGroup:
     rng = random.Random(gid)
     selected = []
     for i, adv in enumerate([1.0, 1.0, -1.0, -1.0]):
@@ -52,7 +52,7 @@ def _group(gid: str, version: int, stage: int = 1) -> ScoredGroup:
                 tool_calls=[ToolCallRecord(code="print(1)", status="ok", duration_ms=1.0)],
                 finish_reason="answer", response_text="x"),
             reward=1.0 if adv > 0 else 0.0, advantage=adv, correct=adv > 0, p_err=0.0, p_format=0.0))
-    return ScoredGroup(group_id=gid, run_id=RUN, stage=stage, problem_id=f"p-{gid}", min_policy_version=version,
+    return ScoredGroup(group_id=gid, run_id=run_id, stage=stage, problem_id=f"p-{gid}", min_policy_version=version,
                        max_policy_version=version, pass_rate=0.5, n_total=8, roc_mode="roc", all_equal=False,
                        selected=selected, roc=RocStats())
 
