@@ -39,6 +39,7 @@ SERVICES = {
 # Sub-apps other packages contribute: (module, attribute, name on the command line).
 EXTENSIONS = [
     ("services.reward.cli", "app", "replay"),
+    ("services.learner.cli", "app", "learner"),
     ("services.orchestrator.cli", "app", None),  # None: its commands join the top level
 ]
 

@@ -11,8 +11,9 @@ version produced (``CompletionOutput.weight_versions``), so a turn that straddle
 update is attributed token by token.
 
 Weight update (``load_weights``): pause the scheduler keeping the requests
-(``pause_generation(mode="keep")``), ``collective_rpc("reload_weights", weights_path=dir)``
-(in place, no restart), set the new version label, reset the prefix cache including the
+(``pause_generation(mode="keep")``), ``collective_rpc("reload_checkpoint", dir)`` of the
+``shared.checkpoint.VllmCheckpointReload`` worker extension (vLLM's ``reload_weights`` in place,
+no restart, plus a refresh of a tied output layer that a plain reload leaves stale), set the new version label, reset the prefix cache including the
 running requests' blocks (their KV was computed with the old weights: they are recomputed
 with the new ones), resume. A reload that fails part-way can leave the model half-written,
 so the caller validates a checkpoint before it gets here (``weights.py``), and a failed
@@ -88,6 +89,10 @@ class RolloutEngine:
             enable_prefix_caching=True, max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
             seed=seed, enforce_eager=enforce_eager, disable_log_stats=False,
             kv_cache_memory_bytes=int(kv_cache_gib * GiB),
+            # A plain collective_rpc("reload_weights") leaves a tied output layer (tiny model,
+            # Qwen2-0.5B/1.5B) holding the old weights on vLLM CPU; this extension's
+            # reload_checkpoint refreshes it too.
+            worker_extension_cls="shared.checkpoint.VllmCheckpointReload",
         )
         self.stats = EngineStats()
         self.version = version
@@ -181,7 +186,7 @@ class RolloutEngine:
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
                 try:
-                    await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
+                    await llm.collective_rpc("reload_checkpoint", args=(str(weights_path),))
                 except Exception as exc:
                     self.healthy = False
                     raise EngineUnhealthy(f"engine {self.index}: reload of {weights_path} failed: {exc}") from exc
