@@ -45,11 +45,12 @@ STOP_TOKENS: tuple[str, ...] = (TOOL_CALL_END, IM_END)
 
 TOOL_NAME = "python"
 
+# Short on purpose: every prompt token costs generation, training and SFT compute, and for the
+# tiny model of the embedded default the system prompt was two thirds of each trace's tokens.
 SYSTEM_PROMPT = (
-    "You are a helpful assistant that solves math problems. You may call a Python tool: write "
-    '<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call> and the tool '
-    "replies with the program's output in <tool_response>...</tool_response>. Use print() to "
-    "see results. Finish with <answer>...\\boxed{answer}...</answer>."
+    'Solve the problem. Run Python with <tool_call>{"name": "python", "arguments": {"code": "..."}}'
+    "</tool_call> and read its output in <tool_response>...</tool_response>. Finish with "
+    "<answer>...\\boxed{answer}...</answer>."
 )
 
 # Tool output longer than this is cut, keeping its head and tail (errors sit at the end).
