@@ -33,10 +33,23 @@ DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 EVAL_PROBLEMS = int(os.environ.get("RSTAR_DEMO_EVAL_PROBLEMS", "100"))
 EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "4"))
 BOOTSTRAP_MINUTES = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MINUTES", "8"))
+# The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
+# problem yields only all-equal groups, which carry no gradient and never make a step).
+TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "12"))
 
 
 def _phase(name: str, t0: float) -> None:
     console.rule(f"[bold]{name}[/bold]  (t = {time.monotonic() - t0:.0f} s)")
+
+
+async def _stop_run(sessions, run_id: str) -> None:
+    from sqlalchemy import update
+
+    from shared.db.models import Run
+
+    async with sessions() as s:
+        await s.execute(update(Run).where(Run.run_id == run_id).values(status="stopped"))
+        await s.commit()
 
 
 async def _latest_checkpoint(sessions, run_id: str) -> tuple[int, str | None]:
@@ -86,15 +99,23 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
         _phase("5/7 asynchronous GRPO-RoC through all five services", t0)
         console.print(f"run {run_id}: {cfg.total_steps} steps, G={cfg.group_size}/{cfg.n_samples}, "
                       f"B={cfg.batch_groups}, η={cfg.max_staleness}; logs in {state_dir / 'logs'}")
-        fig = await watch_run(sessions, run_id, live=console.is_terminal)
+        try:
+            fig = await watch_run(sessions, run_id, live=console.is_terminal, timeout_s=TRAIN_MINUTES * 60)
+        except TimeoutError:
+            await _stop_run(sessions, run_id)
+            fig = await watch_run(sessions, run_id, live=False)
+            console.print(f"[yellow]the run did not finish within {TRAIN_MINUTES:.0f} minutes; stopped at "
+                          f"{fig['steps_done']} steps[/yellow]")
         version, uri = await _latest_checkpoint(sessions, run_id)
-        if fig["status"] != "finished" or uri is None:
-            raise RuntimeError(f"run {run_id} ended {fig['status']} with no checkpoint: {fig}")
         await asyncio.to_thread(rest.stop)  # free the cores for the evaluation
         rest = None
 
         _phase(f"6/7 evaluate policy version {version}", t0)
-        after = await evaluate_model(path_from_uri(uri), eval_problems, tool_urls, eval_cfg, progress=progress)
+        if uri is None:
+            console.print("[yellow]no new policy version: the SFT model is the final policy[/yellow]")
+            after = before
+        else:
+            after = await evaluate_model(path_from_uri(uri), eval_problems, tool_urls, eval_cfg, progress=progress)
         console.print(f"after RL: pass@1 {after['pass@1_mean']:.3f}")
 
         _phase("7/7 report", t0)
@@ -115,6 +136,7 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
         "response_len_before": before.get("mean_response_tokens"),
         "response_len_after": after.get("mean_response_tokens"),
         "steps": fig["steps_done"],
+        "run_status": fig["status"],
         "version": version,
         "run_id": run_id,
         "report": str(report),
