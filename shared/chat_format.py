@@ -82,6 +82,15 @@ def truncate_middle(text: str, max_chars: int) -> tuple[str, bool]:
     return text[:head] + marker + (text[-tail:] if tail else ""), True
 
 
+def tool_output_text(stdout: str, stderr: str) -> str:
+    """The text inside ``<tool_response>``: stdout, then stderr on a new line; nothing stripped,
+    so a printed value keeps its newline (``<tool_response>\\n42\\n\\n</tool_response>``). The
+    rollout (real executions) and the SFT traces (the bootstrap) both compose it here."""
+    if stderr:
+        return f"{stdout}\n{stderr}" if stdout else stderr
+    return stdout
+
+
 def format_tool_response(output: str, max_chars: int = DEFAULT_TOOL_RESPONSE_CHARS) -> str:
     body, _ = truncate_middle(output, max_chars)
     return f"\n{TOOL_RESPONSE_START}\n{body}\n{TOOL_RESPONSE_END}\n"

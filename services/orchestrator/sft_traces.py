@@ -92,15 +92,8 @@ def run_code(code: str) -> CodeRun:
     return CodeRun(ok, tool_output_text(out.getvalue(), err.getvalue()))
 
 
-def tool_output_text(stdout: str, stderr: str) -> str:
-    """The text inside ``<tool_response>``, composed as the rollout does
-    (``services/rollout/agent.py: outcome_from_execution``): stdout, then stderr on a new line;
-    nothing stripped, so a printed value keeps its newline and the response reads
-    ``<tool_response>\n42\n\n</tool_response>``.
-    """
-    if stderr:
-        return f"{stdout}\n{stderr}" if stdout else stderr
-    return stdout
+# The rollout composes tool responses with the same function (shared.chat_format).
+tool_output_text = cf.tool_output_text
 
 
 # --------------------------------------------------------------------------- code per kind

@@ -107,9 +107,7 @@ class State(enum.Enum):
 def outcome_from_execution(status: str, stdout: str, stderr: str, duration_ms: float,
                            timeout_s: float | None = None) -> ToolOutcome:
     """Map a tool-executor result (``ExecutionResult`` fields) to a tool outcome."""
-    text = stdout
-    if stderr:
-        text = f"{text}\n{stderr}" if text else stderr
+    text = cf.tool_output_text(stdout, stderr)
     if status == "ok":
         return ToolOutcome("ok", text, duration_ms)
     if status == "error":
