@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 
 from fastapi import APIRouter, HTTPException
 from prometheus_client import Counter, Gauge
+from pydantic import ValidationError
 from sqlalchemy import func, select, update
 
 from services.orchestrator import control
@@ -102,8 +103,20 @@ class OrchestratorService(Service):
     async def tick(self) -> None:
         async with self.ctx.sessions() as session:
             runs = (await session.execute(select(Run).where(Run.status.in_(ACTIVE)))).scalars().all()
-        for run in runs:
-            await self.control_run(run)
+        for run in runs:  # one run's failure must not stall the others
+            try:
+                await self.control_run(run)
+            except ValidationError as exc:
+                await self._fail_run(run.run_id, f"invalid run config: {exc}")
+            except Exception as exc:  # noqa: BLE001 - e.g. the database or broker is away: retry next tick
+                self.ctx.log.warning("run_control_failed", run_id=run.run_id, error=repr(exc))
+
+    async def _fail_run(self, run_id: str, reason: str) -> None:
+        self.ctx.log.error("run_failed", run_id=run_id, reason=reason[:2000])
+        async with self.ctx.sessions() as session:
+            await session.execute(update(Run).where(Run.run_id == run_id).values(
+                status="failed", config=Run.config.op("||")({"failure": reason[:2000]})))
+            await session.commit()
 
     async def _start_run(self, run: Run, cfg: RunConfig) -> None:
         train, _ = dataset_for(cfg)

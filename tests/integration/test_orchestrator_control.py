@@ -192,3 +192,19 @@ def test_bad_run_configs_fail_clearly(tmp_path):
     for data, reason in cases:
         with pytest.raises(RunConfigError, match=reason.replace("(", r"\(").replace(")", r"\)")):
             load_run_config(write(data))
+
+
+async def test_a_run_with_an_invalid_config_fails_without_stalling_the_others(stack, topic_prefix, db_engine):
+    sessions = session_factory(db_engine)
+    async with sessions() as s:
+        s.add(Run(run_id=f"bad-{topic_prefix}", name="bad", config={"stages": "nope"}, status="created"))
+        await s.commit()
+    settings = load_settings(Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
+                             topic_prefix=topic_prefix, port=__import__("shared.stack", fromlist=["x"])._free_port())
+    svc = OrchestratorService(settings)
+    await svc.start(type("Ctx", (), {"sessions": sessions, "log": __import__("shared.logging", fromlist=["x"]).get_logger("t"),
+                                     "producer": None})())
+    await svc.tick()
+    async with sessions() as s:
+        run = (await s.execute(select(Run).where(Run.run_id == f"bad-{topic_prefix}"))).scalar_one()
+    assert run.status == "failed" and "invalid run config" in run.config["failure"]
