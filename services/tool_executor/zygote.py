@@ -168,7 +168,8 @@ def plan_hidden(hidden: list[str], keep: list[str]) -> tuple[list[tuple[str, lis
     return with_keeps, plain
 
 
-def _cover_keeping(directory: str, kept: list[str], staging: str, errors: list[str]) -> None:
+def _cover_keeping(directory: str, kept: list[str], staging: str, errors: list[str],
+                   options: str = "size=64k,mode=0755") -> bool:
     """Cover `directory` with an empty tmpfs, then bind each kept path back at its place."""
     staged = []
     try:
@@ -177,12 +178,14 @@ def _cover_keeping(directory: str, kept: list[str], staging: str, errors: list[s
             os.mkdir(point)
             _mount(path, point, None, MS_BIND | MS_REC, None)
             staged.append((path, point))
-        _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+        _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, options)
         for path, point in staged:
             os.makedirs(path, mode=0o755, exist_ok=True)
             _mount(point, path, None, MS_BIND | MS_REC, None)
+        return True
     except OSError as exc:
         errors.append(f"covering {directory} failed: {exc}")
+        return False
     finally:
         for _, point in staged:
             _libc.umount2(point.encode(), 2)  # MNT_DETACH
@@ -254,14 +257,25 @@ def setup_filesystem(report: dict[str, Any], hidden_paths: list[str], tmpfs_mb: 
         import tempfile
 
         return tempfile.mkdtemp(prefix="rstar-tool-executor-")
-    try:
-        # The calls' working directories live here; it also stages bind mounts below.
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_mb}m,mode=0711")
-        report["private_tmp"] = True
-    except OSError as exc:
-        errors.append(str(exc))
-        report["private_tmp"] = False
     keep = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    # The calls' working directories live in a private /tmp; it also stages bind mounts below.
+    # An interpreter or virtualenv that itself lives under /tmp (a checkout in /tmp) is bound
+    # back into the new /tmp, or the calls could not import anything.
+    tmp_keeps = sorted({os.path.realpath(k) for k in keep if os.path.isdir(k) and os.path.realpath(k).startswith("/tmp/")})
+    tmp_options = f"size={tmpfs_mb}m,mode=0711"
+    if tmp_keeps:
+        import tempfile
+
+        staging = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else "/var/tmp")
+        report["private_tmp"] = _cover_keeping("/tmp", tmp_keeps, staging, errors, tmp_options)
+        os.rmdir(staging)
+    else:
+        try:
+            _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp_options)
+            report["private_tmp"] = True
+        except OSError as exc:
+            errors.append(str(exc))
+            report["private_tmp"] = False
     with_keeps, plain = plan_hidden(hidden_paths, keep)
     if report["private_tmp"]:
         os.mkdir("/tmp/.stage", 0o700)
