@@ -32,7 +32,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
@@ -404,7 +403,3 @@ class ConsumerLoop:
 
 def dlq_headers(record: ConsumerRecord) -> dict[str, str]:
     return {k: v.decode() for k, v in (record.headers or ())}
-
-
-def raw_json(record: ConsumerRecord) -> Any:
-    return orjson.loads(record.value)
