@@ -37,7 +37,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import subprocess
@@ -155,7 +154,6 @@ def train(base: Path, traces: Path, out: Path, s: BootstrapSettings,
 
 # --------------------------------------------------------------------------- evaluation
 
-_BOXED_INT = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
 # Limits for running the model's own code during bootstrap evaluation (a subprocess, not the
 # sandboxed tool executor: only our freshly trained tiny model writes this code).
 EVAL_CODE_TIMEOUT_S = 5.0
@@ -199,52 +197,54 @@ def run_model_code(code: str, timeout_s: float = EVAL_CODE_TIMEOUT_S) -> tuple[b
 
 
 def extract_int_answer(text: str) -> str | None:
-    start = text.rfind(cf.ANSWER_START)
-    if start < 0:
-        return None
-    found = _BOXED_INT.findall(text[start:])
-    return str(int(found[-1])) if found else None
+    """The integer in the last ``\\boxed{}`` of an ``<answer>`` (the reward's extraction), else None."""
+    from services.reward.answers import canonical_integer, extract_answer
+
+    found = extract_answer(text)
+    return canonical_integer(found.text) if found is not None and found.source == "answer_tag" else None
 
 
 def evaluate_greedy(model, tokenizer, problems: list[data.Problem], *, max_tokens: int = 320,
                     max_turns: int = 4) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Greedy agent loop with HF ``generate`` (one problem at a time): metrics and samples."""
+    """Greedy evaluation with HF ``generate`` (one problem at a time), driven by the rollout's
+    agent state machine so turns, tool calls and budgets follow the RL rollouts exactly."""
+    import asyncio
+    import time
+
     import torch
 
-    stop_ids = [tokenizer.convert_tokens_to_ids(cf.TOOL_CALL_END), tokenizer.eos_token_id]
+    from services.rollout.agent import AgentConfig, AgentLoop, Generation, GenerateRequest, ToolOutcome, run_agent
+
+    config = AgentConfig(max_tokens=max_tokens, max_turns=max_turns,
+                         max_model_len=int(model.config.max_position_embeddings),
+                         tool_call_end_id=tokenizer.convert_tokens_to_ids(cf.TOOL_CALL_END),
+                         eos_id=tokenizer.convert_tokens_to_ids(cf.IM_END))
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     model.eval()
+
+    async def generate(req: GenerateRequest) -> Generation:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([req.token_ids]), max_new_tokens=req.max_new_tokens, do_sample=False,
+                                 eos_token_id=config.stop_token_ids, pad_token_id=tokenizer.pad_token_id,
+                                 use_cache=True)
+        new = out[0, len(req.token_ids):].tolist()
+        return Generation(new, [0.0] * len(new), [0] * len(new))
+
+    async def run_tool(code: str) -> ToolOutcome:
+        t0 = time.monotonic()
+        ok, output = run_model_code(code)
+        return ToolOutcome("ok" if ok else "error", output, (time.monotonic() - t0) * 1000)
+
     results, samples = [], []
     for problem in problems:
-        prompt = tokenizer.encode(cf.render_prompt(problem.prompt), add_special_tokens=False)
-        response: list[int] = []
-        text, calls, good = "", 0, 0
-        for _ in range(max_turns):
-            budget = max_tokens - len(response)
-            if budget <= 0:
-                break
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt + response]), max_new_tokens=budget, do_sample=False,
-                                     eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                                     use_cache=True)
-            new = out[0, len(prompt) + len(response):].tolist()
-            response += new
-            piece = tokenizer.decode(new)
-            text += piece
-            if not new or new[-1] != stop_ids[0]:
-                break  # <|im_end|> or budget exhausted
-            calls += 1
-            parsed = cf.parse_tool_call(piece)
-            if parsed.ok:
-                good += 1
-                _, output = run_model_code(parsed.code)
-            else:
-                output = f"Error: {parsed.error}"
-            tool = cf.format_tool_response(output)
-            response += tokenizer.encode(tool, add_special_tokens=False)
-            text += tool
+        loop = AgentLoop(problem.problem_id, encode(cf.render_prompt(problem.prompt)), config, encode, tokenizer.decode)
+        traj = asyncio.run(run_agent(loop, generate, run_tool))
+        text = traj.response_text
         predicted = extract_int_answer(text)
-        results.append(SampleResult(problem.problem_id, predicted == problem.answer, len(response), calls, good,
-                                    answered=cf.ANSWER_START in text))
+        calls = len(traj.tool_calls)
+        good = sum(c.status != "parse_error" for c in traj.tool_calls)
+        results.append(SampleResult(problem.problem_id, predicted == problem.answer, len(traj.response_token_ids),
+                                    calls, good, answered=cf.ANSWER_START in text))
         samples.append({"problem_id": problem.problem_id, "answer": problem.answer, "predicted": predicted,
                         "response": text})
     return summarize(results), samples
