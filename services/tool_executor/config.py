@@ -41,10 +41,9 @@ def _default_hidden() -> list[str]:
     # because they are bound back), home directories, and password hashes.
     # /run holds daemons' unix sockets (databases); the seccomp filter refuses AF_UNIX sockets
     # anyway, hiding them is the second line.
-    # The repo's parent (sibling checkouts, shared docs) too, unless it is a system directory
-    # such as /tmp: covering that would hide the private /tmp the calls run in.
-    parent = [str(_REPO_ROOT.parent)] if str(_REPO_ROOT.parent) not in ("/", "/tmp", "/var/tmp", "/dev/shm") else []
-    return [str(_REPO_ROOT), *parent, "/root", "/home", "/run", "/etc/shadow", "/etc/gshadow", "/var/lib/postgresql", "/var/lib/mysql"]
+    # The repo's parent (sibling checkouts, shared docs) too; where that is /tmp itself the
+    # sandbox leaves it to the calls' private /tmp (zygote.plan_hidden).
+    return [str(_REPO_ROOT), str(_REPO_ROOT.parent), "/root", "/home", "/run", "/etc/shadow", "/etc/gshadow", "/var/lib/postgresql", "/var/lib/mysql"]
 
 
 class Settings(ServiceSettings):

@@ -143,9 +143,12 @@ def _prctl(option: int, arg: int) -> None:
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
-def plan_hidden(hidden: list[str], keep: list[str]) -> tuple[list[tuple[str, list[str]]], list[str]]:
+def plan_hidden(hidden: list[str], keep: list[str], visible: tuple[str, ...] = ("/tmp",)
+                ) -> tuple[list[tuple[str, list[str]]], list[str]]:
     """Which hidden paths to cover, and which kept paths (the interpreter, the virtualenv) to
     bind back inside a covered directory so they stay importable at the same path.
+    A hidden path that is, or contains, a ``visible`` path (the calls' private /tmp: e.g. the
+    parent of a checkout in /tmp) is not covered: covering it would hide where calls run.
     Returns ([(covered_dir, [kept paths inside it])...], [covered files and dirs without keeps])."""
     keep_real = sorted({os.path.realpath(k) for k in keep if os.path.isdir(k)})
     # Drop kept paths nested in other kept paths: binding the outer one brings them along.
@@ -153,6 +156,7 @@ def plan_hidden(hidden: list[str], keep: list[str]) -> tuple[list[tuple[str, lis
     with_keeps: list[tuple[str, list[str]]] = []
     plain: list[str] = []
     reals = {os.path.realpath(p) for p in hidden}
+    reals = {r for r in reals if not any(v == r or v.startswith(r.rstrip("/") + "/") for v in visible)}
     for real in sorted(reals):
         if not os.path.lexists(real):
             continue

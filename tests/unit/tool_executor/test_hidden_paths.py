@@ -22,3 +22,9 @@ def test_a_hidden_path_inside_a_kept_one_is_not_covered(tmp_path):
     (tmp_path / "venv" / "secret").mkdir(parents=True)
     with_keeps, plain = plan_hidden([str(tmp_path / "venv" / "secret")], [str(tmp_path / "venv")])
     assert with_keeps == [] and plain == []
+
+
+def test_a_hidden_path_holding_the_private_tmp_is_not_covered():
+    # A checkout in /tmp: its parent is /tmp itself, which the calls get as a private tmpfs.
+    with_keeps, plain = plan_hidden(["/tmp", "/"], [])
+    assert with_keeps == [] and plain == []
