@@ -183,13 +183,12 @@ class OrchestratorService(Service):
             for lease in decision.give_up:
                 by_id[lease.task_id].status = "failed"
                 self.ctx.log.warning("task_given_up", run_id=run_id, task_id=lease.task_id, attempts=lease.attempts)
-            resend: list[RolloutTask] = []
-            for lease in decision.redispatch:
-                row = by_id[lease.task_id]
+            again = [by_id[lease.task_id] for lease in decision.redispatch]
+            for row in again:
                 row.attempts += 1
                 row.deadline = control.new_deadline(now, cfg.task_timeout_s)
                 row.min_policy_version = progress.version
-                resend.append(await self._task_event(session, run_id, cfg, row, row.stage))
+            resend = await self._task_events(session, run_id, cfg, again)
             await session.commit()
 
         for task in resend:
@@ -214,7 +213,7 @@ class OrchestratorService(Service):
         async with self.ctx.sessions() as session:
             session.add_all(new_rows)
             await session.commit()
-            events = [await self._task_event(session, run_id, cfg, r, r.stage) for r in new_rows]
+            events = await self._task_events(session, run_id, cfg, new_rows)
         for task in events:
             await self.ctx.producer.send(self.ctx.topic(topics.ROLLOUT_TASKS), task, key=task.problem_id)
             TASKS_SENT.labels("new").inc()
@@ -249,16 +248,20 @@ class OrchestratorService(Service):
                           dropped_solved=config.get("dropped_solved"))
         return row
 
-    async def _task_event(self, session, run_id: str, cfg: RunConfig, row: RolloutTaskRow, stage: int) -> RolloutTask:
-        prob = (await session.execute(select(Problem.prompt, Problem.answer).where(
-            Problem.run_id == run_id, Problem.problem_id == row.problem_id))).one()
-        stage_cfg = next(s for s in cfg.stages if s.stage == stage)
-        return RolloutTask(
-            task_id=row.task_id, run_id=run_id, stage=stage, problem_id=row.problem_id, prompt=prob.prompt,
-            answer=prob.answer, n_samples=cfg.n_samples,
+    async def _task_events(self, session, run_id: str, cfg: RunConfig, rows: list[RolloutTaskRow]) -> list[RolloutTask]:
+        """RolloutTask events for task rows (their problems read in one query)."""
+        if not rows:
+            return []
+        problems = {p.problem_id: p for p in (await session.execute(
+            select(Problem.problem_id, Problem.prompt, Problem.answer).where(
+                Problem.run_id == run_id, Problem.problem_id.in_({r.problem_id for r in rows})))).all()}
+        stages = {s.stage: s for s in cfg.stages}
+        return [RolloutTask(
+            task_id=row.task_id, run_id=run_id, stage=row.stage, problem_id=row.problem_id,
+            prompt=problems[row.problem_id].prompt, answer=problems[row.problem_id].answer, n_samples=cfg.n_samples,
             sampling=SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                                    max_tokens=stage_cfg.max_tokens, max_turns=stage_cfg.max_turns),
-            min_policy_version=row.min_policy_version, deadline=row.deadline, attempt=row.attempts)
+                                    max_tokens=stages[row.stage].max_tokens, max_turns=stages[row.stage].max_turns),
+            min_policy_version=row.min_policy_version, deadline=row.deadline, attempt=row.attempts) for row in rows]
 
     # ------------------------------------------------------------------ HTTP
     def router(self) -> APIRouter:
