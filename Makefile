@@ -43,7 +43,9 @@ stack-down: setup
 
 # Regenerate the full pin set after changing pyproject.toml (run on a CPU machine).
 lock: setup
-	$(PIP) freeze --exclude-editable | grep -v '^-e' > constraints/cpu.txt
+	@# `pip list --format=freeze` writes name==version even for a package installed from a local
+	@# file, where `pip freeze` writes a file:// URL that exists on that machine only.
+	$(PIP) list --format=freeze --exclude-editable > constraints/cpu.txt
 
 clean:
 	-$(VENV)/bin/rstar stack down
