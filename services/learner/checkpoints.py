@@ -102,11 +102,14 @@ def config_dtype(model_dir: Path) -> torch.dtype:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, source_model_dir: Path):
+    def __init__(self, root: Path, source_model_dir: Path, *, writer: bool = True):
+        """``writer``: this process writes checkpoints (and so may delete interrupted writes); the
+        other ranks of a multi-device learner only read the one rank 0 resumes from."""
         self.root = Path(root)
         self.source_model_dir = Path(source_model_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(self.root)
+        if writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.root)
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -123,15 +126,19 @@ class CheckpointStore:
         return sorted(out)
 
     def save(self, state: LearnerState, model: torch.nn.Module, trainer_state: dict[str, Any],
-             weights_dtype: torch.dtype | None = None) -> tuple[Path, str]:
-        """Write version ``state.version`` atomically; returns (weights dir, its sha256)."""
+             weights_dtype: torch.dtype | None = None,
+             weights: dict[str, torch.Tensor] | None = None) -> tuple[Path, str]:
+        """Write version ``state.version`` atomically; returns (weights dir, its sha256).
+
+        ``weights``: the full weights already gathered from the ranks (FSDP2), else the model's own.
+        """
         final = self.version_dir(state.version)
         dtype = weights_dtype or config_dtype(self.source_model_dir)
         with atomic_directory(final) as tmp:
             wdir = tmp / WEIGHTS
             wdir.mkdir()
             copy_model_files(self.source_model_dir, wdir)
-            save_weights(weights_state_dict(model, dtype), wdir)
+            save_weights(weights_state_dict(model, dtype, state=weights), wdir)
             sha = checkpoint_sha256(wdir)
             tdir = tmp / TRAINER
             tdir.mkdir()

@@ -49,6 +49,10 @@ class Settings(ServiceSettings):
     keep_last: int = Field(3, ge=1, description="checkpoints kept on disk (older ones are deleted)")
     skip_zero_advantage_groups: bool = Field(True, description="skip groups whose advantages are all 0 (no gradient)")
     consumer_group: str = Field("learner", description="Kafka consumer group on rstar.scored")
+    dist_timeout_s: float = Field(
+        600.0, gt=0, description="multi-device (torchrun): longest wait of a rank in one collective; a rank whose "
+        "peers died stops after this long (rank 0 pings idle followers every quarter of it)"
+    )
 
     def resolved_checkpoint_dir(self) -> Path:
         return self.checkpoint_dir or (Path(self.state_dir) / "learner" / "checkpoints")

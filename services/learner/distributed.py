@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,6 +44,9 @@ from services.learner.packing import TrainSequence
 class DataParallel:
     group: Any = None  # None: the default process group
     mixed_precision: bool = False  # bf16 parameter gathers + fp32 gradient reduction (GPUs)
+    # This rank's device for collectives. Recorded once because torch's current CUDA device is
+    # per thread, and rank 0 issues commands from worker threads (see services/learner/commands.py).
+    device: torch.device | None = None
 
     @property
     def rank(self) -> int:
@@ -52,7 +56,9 @@ class DataParallel:
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def _device(self) -> torch.device:
+    def rank_device(self) -> torch.device:
+        if self.device is not None:
+            return self.device
         backend = dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
@@ -67,18 +73,18 @@ class DataParallel:
         fully_shard(net, mp_policy=mp)
 
     def sum(self, value: float) -> float:
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self._device())
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.rank_device())
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return float(t.item())
 
     def max_int(self, value: int) -> int:
-        t = torch.tensor([int(value)], dtype=torch.int64, device=self._device())
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.rank_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=self.group, device=self.rank_device())
         return box[0]
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -88,14 +94,22 @@ class DataParallel:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def init_from_env(backend: str | None = None, *, mixed_precision: bool | None = None) -> DataParallel:
-    """Join the process group described by torchrun's environment variables."""
+def init_from_env(backend: str | None = None, *, mixed_precision: bool | None = None,
+                  timeout_s: float | None = None) -> DataParallel:
+    """Join the process group described by torchrun's environment variables.
+
+    ``timeout_s`` bounds every collective (torch's default: 10 min for NCCL, 30 min for gloo): a
+    rank whose peers died stops waiting after that long instead of hanging.
+    """
     use_cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cpu")
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"))
-    return DataParallel(mixed_precision=use_cuda if mixed_precision is None else mixed_precision)
+        kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), **kwargs)
+    return DataParallel(mixed_precision=use_cuda if mixed_precision is None else mixed_precision, device=device)
 
 
 def split_for_ranks(sequences: list[TrainSequence], world_size: int) -> list[list[TrainSequence]]:

@@ -9,6 +9,11 @@ runtime records the outcome in PostgreSQL, publishes the WeightVersion and commi
 offsets afterwards; a crash anywhere before the checkpoint rename loses nothing (the groups are
 redelivered), a crash after it leaves a checkpoint whose consumed ids make the redelivered
 groups duplicates.
+
+Multi-device (FSDP2, launched by torchrun, see :mod:`services.learner.multi_device`): the engine
+lives on rank 0 only; everything it does to the model goes through a
+:class:`~services.learner.commands.CommandDispatcher`, which has the other ranks execute the same
+command. :func:`load_policy` is the start-up every rank shares.
 """
 
 from __future__ import annotations
@@ -16,17 +21,28 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from services.learner.assembly import Decision, GroupStats, StepAssembler, group_stats
 from services.learner.checkpoints import CheckpointStore, LearnerState
+from services.learner.commands import (
+    CheckpointParts,
+    CommandDispatcher,
+    GatherCheckpoint,
+    RankWorker,
+    ResetOptimizer,
+    Train,
+)
 from services.learner.packing import TrainSequence
 from services.learner.trainer import PolicyTrainer, TrainerConfig, load_model, resolve_device
 from shared.checkpoint import checkpoint_sha256, uri_for
 from shared.events import ScoredGroup
 from shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from services.learner.distributed import DataParallel
 
 log = get_logger("learner.engine")
 
@@ -99,15 +115,50 @@ class EngineConfig:
                    device=s.device, keep_last=s.keep_last, skip_zero_advantage_groups=s.skip_zero_advantage_groups)
 
 
+@dataclass
+class LoadedPolicy:
+    """A rank's model and trainer, resumed from the newest complete checkpoint (``state``) or
+    fresh from the initial model (``state`` None)."""
+
+    model: torch.nn.Module
+    trainer: PolicyTrainer
+    store: CheckpointStore
+    state: LearnerState | None
+
+
+def load_policy(cfg: EngineConfig, dp: "DataParallel | None" = None) -> LoadedPolicy:
+    """Load the policy on this rank. Under FSDP2 every rank calls it: rank 0 picks the
+    checkpoint (it verifies the hashes and owns the directory), every rank loads that same
+    checkpoint in full, then shards model and optimizer state (collective)."""
+    if not (cfg.model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model_dir {cfg.model_dir} is not an HF model directory (no config.json)")
+    device = resolve_device(cfg.device) if dp is None else dp.rank_device()
+    leader = dp is None or dp.rank == 0
+    store = CheckpointStore(cfg.checkpoint_dir, cfg.model_dir, writer=leader)
+    state = store.latest() if leader else None
+    if dp is not None:
+        state = dp.broadcast_object(state)
+    if state is not None and cfg.run_id and state.run_id and state.run_id != cfg.run_id:
+        raise ValueError(f"checkpoints in {cfg.checkpoint_dir} belong to run {state.run_id!r}, not {cfg.run_id!r}")
+    model = load_model(store.weights_dir(state.version) if state is not None else cfg.model_dir, device)
+    trainer = PolicyTrainer(model, cfg.trainer, pad_id=pad_token_id(cfg.model_dir), dist=dp)
+    if state is not None:
+        # Under FSDP2 the full optimizer state is read into CPU memory and each rank keeps its shard.
+        trainer.load_state_dict(store.load_trainer_state(state.version, device if dp is None else "cpu"))
+    return LoadedPolicy(model, trainer, store, state)
+
+
 class LearnerEngine:
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module, trainer: PolicyTrainer, store: CheckpointStore,
-                 state: LearnerState, resumed: bool):
+                 state: LearnerState, resumed: bool, dispatch: CommandDispatcher | None = None):
         self.cfg = cfg
         self.model = model
         self.trainer = trainer
         self.store = store
         self.state = state
         self.resumed = resumed
+        # Every operation on the model goes through here (on several devices, every rank runs it).
+        self.dispatch = dispatch or CommandDispatcher(RankWorker(trainer))
         self.assembler = StepAssembler(
             groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness, version=state.version,
             run_id=state.run_id or cfg.run_id, stage=state.stage, consumed=set(state.consumed),
@@ -117,26 +168,31 @@ class LearnerEngine:
         self.poisoned = False  # set when in-memory weights are ahead of the last checkpoint
 
     @classmethod
-    def open(cls, cfg: EngineConfig) -> "LearnerEngine":
-        if not (cfg.model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"model_dir {cfg.model_dir} is not an HF model directory (no config.json)")
-        device = resolve_device(cfg.device)
-        store = CheckpointStore(cfg.checkpoint_dir, cfg.model_dir)
-        state = store.latest()
+    def open(cls, cfg: EngineConfig, dp: "DataParallel | None" = None) -> "LearnerEngine":
+        """One device, or rank 0 of several (``dp``; the other ranks run
+        :func:`services.learner.multi_device.run_follower` at the same time)."""
+        if dp is not None and dp.rank != 0:
+            raise ValueError(f"the learner engine runs on rank 0; rank {dp.rank} follows its commands")
+        loaded = load_policy(cfg, dp)
+        worker = RankWorker(loaded.trainer, dp)
+        dispatch = CommandDispatcher(worker, send=dp.broadcast_object if dp is not None else None)
+        ranks = dp.world_size if dp is not None else 1
+        state = loaded.state
         if state is not None:
-            if cfg.run_id and state.run_id and state.run_id != cfg.run_id:
-                raise ValueError(f"checkpoints in {cfg.checkpoint_dir} belong to run {state.run_id!r}, not {cfg.run_id!r}")
-            model = load_model(store.weights_dir(state.version), device)
-            trainer = PolicyTrainer(model, cfg.trainer, pad_id=pad_token_id(cfg.model_dir))
-            trainer.load_state_dict(store.load_trainer_state(state.version, device))
             log.info("learner_resumed", version=state.version, step=state.step, stage=state.stage,
-                     consumed=len(state.consumed))
-            return cls(cfg, model, trainer, store, state, resumed=True)
-        model = load_model(cfg.model_dir, device)
-        trainer = PolicyTrainer(model, cfg.trainer, pad_id=pad_token_id(cfg.model_dir))
-        state = LearnerState(run_id=cfg.run_id, version=0, step=0)
-        log.info("learner_fresh_start", model_dir=str(cfg.model_dir), device=str(device))
-        return cls(cfg, model, trainer, store, state, resumed=False)
+                     consumed=len(state.consumed), ranks=ranks)
+            return cls(cfg, loaded.model, loaded.trainer, loaded.store, state, resumed=True, dispatch=dispatch)
+        log.info("learner_fresh_start", model_dir=str(cfg.model_dir), device=str(loaded.trainer.device), ranks=ranks)
+        return cls(cfg, loaded.model, loaded.trainer, loaded.store, LearnerState(run_id=cfg.run_id, version=0, step=0),
+                   resumed=False, dispatch=dispatch)
+
+    def close(self) -> None:
+        """Release the other ranks (multi-device); the engine takes no more commands."""
+        self.dispatch.stop_followers()
+
+    def keep_followers_waiting(self, idle_s: float) -> bool:
+        """Multi-device: ping the other ranks if no command went out for ``idle_s``."""
+        return self.dispatch.ping_if_idle(idle_s)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -172,11 +228,11 @@ class LearnerEngine:
         stats = group_stats(groups, self.state.version)
         dropped = self.assembler.dropped_stale
         if reset:
-            self.trainer.reset_optimizer()
+            self.dispatch(ResetOptimizer())
             log.info("optimizer_reset", stage=stage, step=self.state.step + 1)
         t0 = time.perf_counter()
         try:
-            result = self.trainer.train_step(group_sequences(groups))
+            result = self.dispatch(Train(group_sequences(groups)))
         except FloatingPointError as exc:
             # The update was skipped and the weights are untouched; the batch is given up so
             # a redelivery cannot loop on it. It is recorded with the next checkpoint.
@@ -204,7 +260,8 @@ class LearnerEngine:
         )
         t1 = time.perf_counter()
         try:
-            weights_dir, sha = self.store.save(new, self.model, self.trainer.state_dict())
+            parts: CheckpointParts = self.dispatch(GatherCheckpoint())
+            weights_dir, sha = self.store.save(new, self.model, parts.trainer_state, weights=parts.weights)
         except BaseException:
             # The weights in memory moved past the last checkpoint: training on would make the
             # next checkpoint claim updates it cannot replay. Only a restart (resume from the

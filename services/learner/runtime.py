@@ -20,12 +20,17 @@ A crash before 2 finishes: nothing durable happened, the groups are redelivered.
 between 2 and 4: the restart resumes from the checkpoint, re-records and re-publishes the
 current version (step 3 is idempotent), and the redelivered groups are duplicates of the
 consumed set. On a fresh start the initial model is recorded and announced as version 0.
+
+On several devices (``torchrun ... -m services.learner.multi_device``) this service runs on
+rank 0 only, around an engine opened with the process group; the other ranks follow the
+engine's commands (:mod:`services.learner.commands`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -132,10 +137,12 @@ class LearnerService(Service):
     needs_kafka = True
     needs_db = True
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, engine: LearnerEngine | None = None):
+        """``engine``: already opened (rank 0 of a multi-device learner opens it with the process
+        group before the service starts); by default ``start`` opens one on this process's device."""
         super().__init__(settings)
         self.settings: Settings = settings
-        self.engine: LearnerEngine | None = None
+        self.engine: LearnerEngine | None = engine
         self.loop: ConsumerLoop | None = None
         self._pending: list[tuple[ConsumerRecord, str | None]] = []
         self._unannounced: list[StepOutcome] = []
@@ -145,17 +152,18 @@ class LearnerService(Service):
     async def start(self, ctx: RuntimeContext) -> None:
         await super().start(ctx)
         s = self.settings
-        if s.torch_threads:
-            import torch
+        if self.engine is None:
+            if s.torch_threads:
+                import torch
 
-            torch.set_num_threads(s.torch_threads)
-        self.engine = await asyncio.to_thread(LearnerEngine.open, EngineConfig.from_settings(s))
+                torch.set_num_threads(s.torch_threads)
+            self.engine = await asyncio.to_thread(LearnerEngine.open, EngineConfig.from_settings(s))
         VERSION.set(self.engine.version)
         STEP.set(self.engine.state.step)
         if self.engine.run_id:
             # Re-record and re-announce the current version: covers a crash between a checkpoint
             # and its publication, and tells late joiners where version 0 lives.
-            await self._announce(self._current_outcome())
+            await self._announce(await asyncio.to_thread(self._current_outcome))
         assert ctx.producer is not None
         self.loop = ConsumerLoop(
             s.kafka_bootstrap, ctx.topic(topics.SCORED), s.consumer_group, self._handle, ctx.producer,
@@ -214,7 +222,9 @@ class LearnerService(Service):
                 log.info("group_skipped", decision=decision.value, min_version=group.min_policy_version,
                          version=self.engine.version)
             if not self._announced_initial and self.engine.run_id:
-                await self._announce(self._current_outcome())
+                # in a thread: version 0's hash reads the whole initial model, and a blocked event
+                # loop would stop the consumer's polls and heartbeats
+                await self._announce(await asyncio.to_thread(self._current_outcome))
             if self.engine.ready():
                 await self._step()
             await self._commit_done()
@@ -333,4 +343,7 @@ class LearnerService(Service):
 
 
 def build_service(settings: Settings) -> LearnerService:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("`rstar serve learner` runs on one device; under torchrun start "
+                           "`torchrun --nproc-per-node N -m services.learner.multi_device` instead")
     return LearnerService(settings)

@@ -210,15 +210,38 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name and unsharded, plus the schedule position.
+
+        The same layout on one device and under FSDP2, so a checkpoint resumes on any number of
+        devices. Under FSDP2 this is a collective: every rank must call it; rank 0 gets the full
+        state (on the CPU), the others an empty ``optimizer`` entry.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "steps_done": self.steps_done,
             "sched_offset": self._sched_offset,
             "optimizer_resets": self.optimizer_resets,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore :meth:`state_dict`'s output; under FSDP2 every rank passes the full state and
+        keeps its own shard of it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        optimizer = state["optimizer"]
+        if any(isinstance(k, int) for k in optimizer.get("state", {})):
+            # Checkpoints written before the by-name layout: positional, single device only.
+            if self.dist is not None:
+                raise ValueError("this checkpoint's optimizer state is positional (written by an older learner "
+                                 "on one device); resume it on one device once, then scale out")
+            self.optimizer.load_state_dict(optimizer)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer,
+                                     options=StateDictOptions(full_state_dict=True))
         self.steps_done = int(state["steps_done"])
         self._sched_offset = int(state["sched_offset"])
         self.optimizer_resets = int(state.get("optimizer_resets", 0))
