@@ -127,6 +127,7 @@ class CommandDispatcher:
     stopped: bool = field(init=False, default=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _closing: threading.Event = field(init=False, default_factory=threading.Event)
+    _keep_alive: threading.Thread | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.last_sent = self.clock()
@@ -168,13 +169,17 @@ class CommandDispatcher:
             while not self._closing.wait(idle_s / 2):
                 self.ping_if_idle(idle_s)
 
-        thread = threading.Thread(target=loop, name="learner-keep-alive", daemon=True)
-        thread.start()
-        return thread
+        self._keep_alive = threading.Thread(target=loop, name="learner-keep-alive", daemon=True)
+        self._keep_alive.start()
+        return self._keep_alive
 
     def stop_followers(self) -> None:
         """Send :class:`Stop` once (later calls do nothing); no command may follow it."""
         self._closing.set()
+        if self._keep_alive is not None and self._keep_alive is not threading.current_thread():
+            # joined, not left to die with the interpreter: a daemon thread ended inside a
+            # collective's C++ code aborts the process
+            self._keep_alive.join()
         with self._lock:
             if self.send is not None and not self.stopped:
                 self._dispatch(Stop())

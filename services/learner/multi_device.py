@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 from pathlib import Path
 
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             run_follower(settings, dp)
     finally:
+        # The sharded model's DTensors hold the process group; free them (reference cycles
+        # included) first, so the group is torn down here and not in the interpreter's exit, where
+        # gloo's worker threads abort the process ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 
