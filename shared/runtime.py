@@ -162,7 +162,9 @@ def _heartbeat_stmt(row: dict[str, Any]):
     stmt = pg_insert(ServiceInstance).values(row)
     return stmt.on_conflict_do_update(
         index_elements=["instance_id"],
-        set_={"status": "up", "info": stmt.excluded.info, "port": stmt.excluded.port, "last_heartbeat": func.now()},
+        # A restarted instance keeps its instance_id but not its process: host and pid follow it.
+        set_={"status": "up", "info": stmt.excluded.info, "port": stmt.excluded.port, "host": stmt.excluded.host,
+              "pid": stmt.excluded.pid, "last_heartbeat": func.now()},
     )
 
 

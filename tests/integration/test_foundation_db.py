@@ -70,3 +70,18 @@ async def test_upserts_are_idempotent(db_engine):
         await s.commit()
         probs = (await s.execute(select(Problem).where(Problem.run_id == run_id))).scalars().all()
         assert [p.attempts for p in probs] == [8]
+
+
+async def test_heartbeat_of_a_restarted_instance_records_its_new_process(db_engine):
+    from shared.db.models import ServiceInstance
+    from shared.runtime import _heartbeat_stmt
+
+    sessions = session_factory(db_engine)
+    instance = f"probe-{uuid.uuid4().hex[:8]}"
+    async with sessions() as s:
+        for pid, port in ((1111, 9001), (2222, 9002)):  # the same instance id, restarted
+            await s.execute(_heartbeat_stmt({"instance_id": instance, "service": "probe", "host": "h", "pid": pid,
+                                             "port": port, "status": "up", "info": {}}))
+            await s.commit()
+        row = (await s.execute(select(ServiceInstance).where(ServiceInstance.instance_id == instance))).scalar_one()
+    assert (row.pid, row.port) == (2222, 9002)
