@@ -57,13 +57,11 @@ SYSTEM_PROMPT = (
 DEFAULT_TOOL_RESPONSE_CHARS = 1024
 
 
-def render_prompt(problem: str, system: str = SYSTEM_PROMPT) -> str:
-    """The prompt text, up to and including the assistant header the model continues from."""
-    return (
-        f"{IM_START}system\n{system}{IM_END}\n"
-        f"{IM_START}user\n{problem}{IM_END}\n"
-        f"{IM_START}assistant\n"
-    )
+def render_prompt(problem: str, system: str | None = SYSTEM_PROMPT) -> str:
+    """The prompt text, up to and including the assistant header the model continues from
+    (``system=None``: no system turn)."""
+    head = f"{IM_START}system\n{system}{IM_END}\n" if system is not None else ""
+    return head + f"{IM_START}user\n{problem}{IM_END}\n{IM_START}assistant\n"
 
 
 def format_tool_call(code: str) -> str:

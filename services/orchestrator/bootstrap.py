@@ -57,7 +57,7 @@ from services.orchestrator.evaluate_metrics import SampleResult, summarize
 
 # Bump when the trace format or the training recipe changes in a way the settings don't show:
 # cached models of an older version are then not reused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 BOOTSTRAP_INFO = "bootstrap.json"
 
 
@@ -75,19 +75,24 @@ class BootstrapSettings:
     # Optimisation (PLATFORM.md's experiment: AdamW lr 2e-3, warm-up + cosine).
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
-    # Warm-up in steps (the cosine runs on elapsed time): short, because an 8-minute budget
-    # on busy cores is only a few dozen steps of ~8k tokens.
+    # Warm-up in steps (the cosine runs on elapsed time): short, a 12-minute budget is ~600 steps.
     warmup_steps: int = 10
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    batch_tokens: int = 8192  # tokens per optimizer step (~28 traces)
-    # Packed rows of 1024 tokens hold ~3 traces (prompt + response is ~290 tokens) with little
-    # padding; 256/512-token rows hold one trace each and pad the rest. Four rows per micro-batch.
-    row_tokens: int = 1024
+    # Tokens per optimizer step (~16 traces + 16 drills). Measured on 2 cores (docs/data.md):
+    # 4096-token steps learned copying faster per minute than 8192 (half the steps) and than
+    # 1024 (per-step overhead, noisier).
+    batch_tokens: int = 4096
+    # Rows of 256 tokens: a trace (~200 tokens with the short system prompt) or a few drills per
+    # row; short rows keep attention cheap on the CPU. One micro-batch per step.
+    row_tokens: int = 256
     micro_batch_tokens: int = 4096
     # Distinct training traces (the learner shuffles them per epoch): 16k traces are ~4.6M
     # tokens, more than an 18-minute run at 3k tokens/s sees, so a default run is < 1 epoch.
     n_traces: int = 16_000
+    # Copy drills mixed in (sft_traces.make_copy_drill): one per trace, ~1/8 of the tokens.
+    # Without them digit copying had not formed after 12-30 minutes (0% solved).
+    copy_drills: int = 16_000
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
 
     def __post_init__(self) -> None:
@@ -95,6 +100,8 @@ class BootstrapSettings:
             raise ValueError("minutes must be > 0 (or give steps)")
         if self.steps is not None and self.steps < 1:
             raise ValueError("steps must be >= 1")
+        if self.copy_drills < 0:
+            raise ValueError("copy_drills must be >= 0")
         if self.n_traces < 1 or self.batch_tokens < 1 or self.row_tokens < 1 or self.micro_batch_tokens < self.row_tokens:
             raise ValueError("n_traces, batch_tokens, row_tokens must be >= 1 and micro_batch_tokens >= row_tokens")
 
@@ -128,9 +135,10 @@ def sft_model_dir(cache_dir: Path, s: BootstrapSettings) -> Path:
 
 
 def write_training_traces(path: Path, s: BootstrapSettings, tokenizer) -> Path:
-    """``s.n_traces`` tokenised traces of fresh train-partition problems, as learner JSONL rows."""
+    """``s.n_traces`` tokenised traces of fresh train-partition problems and ``s.copy_drills``
+    copy drills, as learner JSONL rows (the learner shuffles them together)."""
     problems = data.generate_problems(s.n_traces, seed=s.seed, split="train")
-    traces = sft_traces.make_traces(problems, seed=s.seed)
+    traces = sft_traces.make_traces(problems, seed=s.seed) + sft_traces.make_copy_drills(s.copy_drills, seed=s.seed)
     return sft_traces.write_traces_jsonl(traces, tokenizer, path)
 
 

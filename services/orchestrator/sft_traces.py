@@ -30,6 +30,17 @@ merge bytes across a segment boundary and produce ids the rollout never sees. Th
 every model-segment token (including ``</tool_call>`` and the final ``<|im_end|>``) and 0 on
 every tool-segment token, so decoding the mask-1 tokens gives exactly the model-written text.
 
+Copy drills
+-----------
+Solving a problem takes two exact digit-by-digit copies: the problem's numbers into the code and
+the printed result into ``\\boxed{}``. A tiny model learns copying slowly from whole traces
+(a copied digit is about one loss token in eight): after 12 minutes on two cores it still wrote
+the first digit and then repeated it ("1111222" for "6481728"), scoring 0 on held-out problems.
+:func:`make_copy_drill` adds short examples whose loss tokens are almost all copied digits —
+``Repeat 48213 * 731 + 2290`` answered by ``<answer>The answer is \\boxed{48213 * 731 + 2290}</answer>`` —
+without the system prompt (3x cheaper; they teach a skill, not the format). With them the
+copy circuit forms within the bootstrap budget (docs/data.md has the measurements).
+
 Rows written by :func:`write_traces_jsonl`: ``{"problem_id", "prompt_token_ids",
 "response_token_ids", "loss_mask"}`` — ``services/learner`` packs them as ``TrainSequence``.
 """
@@ -224,6 +235,7 @@ class Trace:
     segments: tuple[Segment, ...]
     buggy_first_call: bool
     codes: tuple[str, ...]  # every tool call's code, in order
+    system: str | None = cf.SYSTEM_PROMPT  # the prompt's system turn (None for copy drills)
 
     @property
     def response_text(self) -> str:
@@ -276,6 +288,31 @@ def make_traces(problems: Iterable[Problem], *, seed: int) -> list[Trace]:
     return [make_trace(p, rng) for p in problems]
 
 
+def _drill_number(rng: random.Random, min_digits: int, max_digits: int) -> str:
+    digits = [rng.choice("0123456789") for _ in range(rng.randint(min_digits, max_digits))]
+    if digits[0] == "0" and len(digits) > 1:
+        digits[0] = rng.choice("123456789")
+    return "".join(digits)
+
+
+def make_copy_drill(rng: random.Random, index: int) -> Trace:
+    """A copy drill (see the module docstring): half single numbers of 3-12 digits, half
+    expressions of 2-3 numbers of 1-6 digits (the shape of the code the model writes)."""
+    if rng.random() < 0.5:
+        text = _drill_number(rng, 3, 12)
+    else:
+        op = " " + rng.choice("*+-,") + " "
+        text = op.join(_drill_number(rng, 1, 6) for _ in range(rng.randint(2, 3)))
+    problem = Problem(problem_id=f"drill-{index}", prompt=f"Repeat {text}", answer=text)
+    return Trace(problem=problem, segments=(Segment(cf.format_answer(text) + cf.IM_END, True),),
+                 buggy_first_call=False, codes=(), system=None)
+
+
+def make_copy_drills(n: int, *, seed: int) -> list[Trace]:
+    rng = random.Random(f"drills:{seed}")
+    return [make_copy_drill(rng, i) for i in range(n)]
+
+
 @dataclass(frozen=True)
 class TokenizedTrace:
     problem_id: str
@@ -298,7 +335,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 def tokenize_trace(trace: Trace, tokenizer) -> TokenizedTrace:
     """Token ids and loss mask, built segment by segment (see the module docstring)."""
-    prompt_ids = _encode(tokenizer, cf.render_prompt(trace.problem.prompt))
+    prompt_ids = _encode(tokenizer, cf.render_prompt(trace.problem.prompt, system=trace.system))
     response: list[int] = []
     mask: list[int] = []
     for seg in trace.segments:

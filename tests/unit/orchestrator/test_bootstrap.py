@@ -19,8 +19,9 @@ from services.orchestrator.bootstrap import (
 )
 from services.orchestrator.sft_traces import read_traces_jsonl
 
-# A seconds-long run: small batches, short warm-up, a high LR so the loss visibly drops.
-SMOKE = dict(steps=4, n_traces=40, batch_tokens=900, warmup_steps=1, lr=1e-2, row_tokens=1024,
+# A seconds-long run: small batches, short warm-up, a high LR so the loss visibly drops (no
+# copy drills: their random digits keep the mean loss high until copying is learned).
+SMOKE = dict(steps=4, n_traces=40, copy_drills=0, batch_tokens=900, warmup_steps=1, lr=1e-2, row_tokens=1024,
              micro_batch_tokens=1024)
 
 
@@ -40,15 +41,18 @@ def test_bad_settings_are_refused():
         BootstrapSettings(minutes=0)
     with pytest.raises(ValueError):
         BootstrapSettings(steps=0)
+    with pytest.raises(ValueError):
+        BootstrapSettings(copy_drills=-1)
 
 
 def test_training_traces_are_fresh_train_problems(tokenizer, tmp_path):
     from services.orchestrator.data import generate_problems
 
-    s = BootstrapSettings(steps=1, n_traces=30)
+    s = BootstrapSettings(steps=1, n_traces=30, copy_drills=10)
     rows = read_traces_jsonl(write_training_traces(tmp_path / "t.jsonl", s, tokenizer))
-    assert len(rows) == 30
-    assert [r.problem_id for r in rows] == [p.problem_id for p in generate_problems(30, seed=0)]
+    assert len(rows) == 40
+    assert [r.problem_id for r in rows[:30]] == [p.problem_id for p in generate_problems(30, seed=0)]
+    assert [r.problem_id for r in rows[30:]] == [f"drill-{i}" for i in range(10)]
     evals = {p.problem_id for p in generate_problems(200, seed=0, split="eval")}
     assert not evals & {r.problem_id for r in rows}
     for r in rows:

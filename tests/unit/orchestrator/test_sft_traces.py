@@ -13,6 +13,7 @@ from services.orchestrator.sft_traces import (
     BUGGY_FRACTION,
     CodeRun,
     TraceError,
+    make_copy_drills,
     make_trace,
     make_traces,
     read_traces_jsonl,
@@ -162,3 +163,23 @@ def test_a_wrong_answer_is_caught(problems):
     wrong = replace(problems[0], answer=str(int(problems[0].answer) + 1))
     with pytest.raises(TraceError, match="expected"):
         make_trace(wrong, random.Random(0), buggy=False)
+
+
+def test_copy_drills_copy_exactly_without_the_system_prompt(tokenizer):
+    from services.reward.answers import extract_answer
+
+    drills = make_copy_drills(200, seed=3)
+    assert [d.problem.problem_id for d in drills] == [f"drill-{i}" for i in range(200)]
+    assert make_copy_drills(200, seed=3) == drills  # deterministic
+    shapes = {" " in d.problem.answer for d in drills}
+    assert shapes == {True, False}  # single numbers and expressions
+    for d in drills:
+        text = d.problem.answer
+        assert d.problem.prompt == f"Repeat {text}"
+        assert extract_answer(d.response_text).text == text
+        tok = tokenize_trace(d, tokenizer)
+        prompt = tokenizer.decode(tok.prompt_token_ids)
+        assert prompt == cf.render_prompt(d.problem.prompt, system=None)
+        assert cf.SYSTEM_PROMPT not in prompt
+        assert tok.loss_mask == [1] * len(tok.response_token_ids)
+        assert tokenizer.decode(tok.response_token_ids) == d.response_text
