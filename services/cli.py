@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -66,6 +67,12 @@ def serve(
 
     settings_cls, build_service = load_service(name)
     settings = _settings_or_exit(load_settings, settings_cls, config, port=port)
+    if name == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Started by torchrun: one process per device, rank 0 serves (services/learner/multi_device.py).
+        from services.learner.multi_device import run_ranks
+
+        run_ranks(settings)
+        return
     run(build_service(settings), settings)
 
 

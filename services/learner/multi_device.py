@@ -2,6 +2,9 @@
 
     torchrun --standalone --nproc-per-node 8 -m services.learner.multi_device [--config learner.yaml] [--port 8104]
 
+(``torchrun ... $(which rstar) serve learner ...`` does the same: ``rstar serve`` sees torchrun's
+``WORLD_SIZE`` and comes here.)
+
 Settings are the learner's (``RSTAR_LEARNER_*``, ``--config``), the same on every rank.
 
 * **Rank 0** is the learner service: it alone talks to Kafka and PostgreSQL and serves HTTP. Its
@@ -63,13 +66,8 @@ def run_follower(settings: Settings, dp: DataParallel) -> int:
     return executed
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m services.learner.multi_device",
-                                     description="The learner service on several devices (FSDP2).")
-    parser.add_argument("--config", "-c", type=Path, default=None, help="YAML settings file")
-    parser.add_argument("--port", "-p", type=int, default=None, help="HTTP port of rank 0")
-    args = parser.parse_args(argv)
-    settings = load_settings(Settings, args.config, port=args.port)
+def run_ranks(settings: Settings) -> None:
+    """Join torchrun's process group and play this process's part (rank 0 or a follower)."""
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     dp = init_from_env(timeout_s=settings.dist_timeout_s)
@@ -86,6 +84,15 @@ def main(argv: list[str] | None = None) -> None:
         # gloo's worker threads abort the process ("terminate called without an active exception").
         gc.collect()
         dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m services.learner.multi_device",
+                                     description="The learner service on several devices (FSDP2).")
+    parser.add_argument("--config", "-c", type=Path, default=None, help="YAML settings file")
+    parser.add_argument("--port", "-p", type=int, default=None, help="HTTP port of rank 0")
+    args = parser.parse_args(argv)
+    run_ranks(load_settings(Settings, args.config, port=args.port))
 
 
 if __name__ == "__main__":
