@@ -49,10 +49,15 @@ def _learner_env(stack, topic_prefix: str, model_dir: Path, ckpt: Path, run: str
     return env
 
 
-def _start(env: dict, instance: str, log_path: Path) -> subprocess.Popen:
-    # an instance id per launch: the heartbeat upsert keeps the first row's pid
+RSTAR = str(Path(sys.executable).with_name("rstar"))
+# The two ways to launch the ranks: the module, and `rstar serve learner` (which sees WORLD_SIZE).
+ENTRY_MODULE = ["-m", "services.learner.multi_device"]
+ENTRY_RSTAR = [RSTAR, "serve", "learner"]
+
+
+def _start(env: dict, instance: str, log_path: Path, entry: list[str] = ENTRY_MODULE) -> subprocess.Popen:
     return subprocess.Popen(
-        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "services.learner.multi_device"],
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", *entry],
         cwd=REPO, env={**env, "RSTAR_INSTANCE_ID": instance}, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
     )
 
@@ -127,7 +132,7 @@ async def test_two_process_learner_service_trains_publishes_stops_and_resumes(st
 
         # restart: both ranks resume from v1; the redelivered a and b are duplicates
         log2 = tmp_path / "torchrun-2.log"
-        launcher = _start(env, f"learner-{run}-2", log2)
+        launcher = _start(env, f"learner-{run}-2", log2, entry=ENTRY_RSTAR)
         for g in first + second:
             await producer.send(scored_topic, g, key=g.group_id)
         seen = await _weights(stack.kafka_bootstrap, weights_topic, until_version=2, timeout=300)
