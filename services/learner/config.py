@@ -40,7 +40,7 @@ class Settings(ServiceSettings):
     is_cap: float = Field(DEFAULT_IS_CAP, gt=0, description="truncation of the behaviour importance weight")
     updates_per_step: int = Field(1, ge=1, description="optimizer updates (mini-batches) per step")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (gradient accumulation)")
-    row_tokens: int = Field(0, ge=0, description="pack into rows of this many tokens (0: one unpadded row per micro-batch)")
+    row_tokens: int = Field(0, ge=0, description="pack into rows of this many tokens (0: as long as the step's longest sequence)")
     logits_chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=1, description="tokens per chunk of output-layer logits")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward (long sequences)")

@@ -261,6 +261,17 @@ class PolicyTrainer:
         k = self.cfg.updates_per_step if self.dist is not None else min(self.cfg.updates_per_step, len(sequences))
         return [sequences[i::k] for i in range(k)]
 
+    def row_tokens(self, sequences: list[TrainSequence]) -> int:
+        """Packed row length: ``cfg.row_tokens``, or (0) the longest of these sequences.
+
+        The attention is sdpa with a block-diagonal mask (:func:`load_model`), whose cost grows with
+        the square of the *row* length whatever the sequences in it: one row per 8K-token
+        micro-batch made attention ~25x the rest of the tiny model's work on ~900-token
+        trajectories. Rows as long as the longest sequence keep every sequence whole and pay only
+        for the attention the sequences need.
+        """
+        return self.cfg.row_tokens or max((len(s) for s in sequences), default=0)
+
     def _plan(self, sequences: list[TrainSequence]) -> list[tuple[list[MicroBatch], float, float]]:
         """Per update: (micro-batches, token-mean denominator, loss scale).
 
@@ -270,7 +281,7 @@ class PolicyTrainer:
         """
         plan = []
         for batch in self._split_updates(sequences):
-            mbs = pack(batch, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens) if batch else []
+            mbs = pack(batch, self.cfg.micro_batch_tokens, self.pad_id, self.row_tokens(batch)) if batch else []
             local = float(sum(mb.n_loss_tokens for mb in mbs))
             if self.dist is None:
                 plan.append((mbs, local, 1.0))
@@ -405,7 +416,7 @@ class PolicyTrainer:
     def sequence_logprobs(self, sequences: list[TrainSequence]) -> list[list[float]]:
         """Current-policy logprob of every loss token of each sequence (tests, diagnostics)."""
         out: list[list[float]] = [[] for _ in sequences]
-        for mb in pack(sequences, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.row_tokens):
+        for mb in pack(sequences, self.cfg.micro_batch_tokens, self.pad_id, self.row_tokens(sequences)):
             if mb.n_loss_tokens == 0:
                 continue
             logp, _ = self.forward_logprobs(mb)

@@ -83,6 +83,31 @@ class RunConfig(_Strict):
     task_timeout_s: float = Field(600.0, gt=0, description="lease: a task not scored by then is re-dispatched")
     max_task_attempts: int = Field(3, ge=1, description="dispatches of one task before it is given up")
     solved_min_attempts: int = Field(8, ge=1, description="stage 3 drops problems solved in all of >= this many recent attempts")
+    services: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="further settings per service for this run, e.g. {learner: {torch_threads: 1}}; "
+                    "merged over (and winning against) the settings the run derives",
+    )
+
+    @field_validator("services")
+    @classmethod
+    def _service_settings_exist(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        import importlib
+
+        from services.cli import SERVICES
+
+        errors = []
+        for name, values in v.items():
+            if name not in SERVICES:
+                errors.append(f"unknown service {name!r} (one of {', '.join(SERVICES)})")
+                continue
+            known = importlib.import_module(f"services.{SERVICES[name]}.config").Settings.model_fields
+            unknown = sorted(set(values) - set(known))
+            if unknown:
+                errors.append(f"services.{name}: unknown setting(s) {', '.join(unknown)}")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return v
 
     @field_validator("n_samples")
     @classmethod
@@ -108,7 +133,7 @@ class RunConfig(_Strict):
 
     def service_settings(self) -> dict[str, dict[str, Any]]:
         """Sections of a system YAML that make every service follow this run."""
-        return {
+        sections: dict[str, dict[str, Any]] = {
             "reward": {"group_size": self.group_size, "roc_mode": self.roc_mode},
             "learner": {
                 "model_dir": self.model,
@@ -119,6 +144,9 @@ class RunConfig(_Strict):
             },
             "rollout": {"model_path": self.model},
         }
+        for name, values in self.services.items():
+            sections.setdefault(name, {}).update(values)
+        return sections
 
 
 class RunConfigError(ValueError):

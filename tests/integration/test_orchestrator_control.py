@@ -188,10 +188,20 @@ def test_bad_run_configs_fail_clearly(tmp_path):
         ({**good, "model": str(tmp_path / "nope")}, "is not a model directory"),
         ({**good, "dataset": {"kind": "file"}}, "needs dataset.paths"),
         ({**good, "max_staleness": -1}, "max_staleness"),
+        ({**good, "services": {"lerner": {}}}, "unknown service 'lerner'"),
+        ({**good, "services": {"learner": {"torch_thread": 1}}}, "services.learner: unknown setting(s) torch_thread"),
     ]
     for data, reason in cases:
         with pytest.raises(RunConfigError, match=reason.replace("(", r"\(").replace(")", r"\)")):
             load_run_config(write(data))
+
+    # Per-service settings reach the service's section and win over what the run derives.
+    tuned = load_run_config(write({**good, "lr": 1e-4, "services": {"learner": {"torch_threads": 1, "lr": 3e-4},
+                                                                    "rollout": {"cpu_threads_bind": "0"}}}))
+    sections = tuned.service_settings()
+    assert sections["learner"]["torch_threads"] == 1 and sections["learner"]["lr"] == 3e-4
+    assert sections["learner"]["groups_per_step"] == tuned.batch_groups
+    assert sections["rollout"] == {"model_path": str(model), "cpu_threads_bind": "0"}
 
 
 async def test_a_run_with_an_invalid_config_fails_without_stalling_the_others(stack, topic_prefix, db_engine):
