@@ -155,10 +155,10 @@ def cluster_for_run(state_dir: Path, run_cfg, run_id: str, *, services: tuple[st
                     port_offset: int = 0, name: str = "cluster") -> LocalCluster:
     """A cluster whose services follow ``run_cfg``: the reward keeps G, the learner steps on B
     groups with η, trains ``run_id`` only into a checkpoint dir of its own, and the rollout
-    serves the run's model and calls this cluster's tool-executor."""
+    serves the run's model and versions and calls this cluster's tool-executor."""
     sections = run_cfg.service_settings()
     sections["learner"].update(run_id=run_id, checkpoint_dir=str(state_dir / "runs" / run_id / "checkpoints"))
-    sections["rollout"]["tool_executor_urls"] = [f"http://127.0.0.1:{DEFAULT_PORTS['tool-executor'] + port_offset}"]
+    sections["rollout"].update(run_id=run_id, tool_executor_urls=[f"http://127.0.0.1:{DEFAULT_PORTS['tool-executor'] + port_offset}"])
     for section, values in (overrides or {}).items():
         sections.setdefault(section, {}).update(values)
     system = write_system_config(state_dir / "runs" / run_id / "system.yaml", sections)

@@ -20,6 +20,7 @@ class Settings(ServiceSettings):
     # --- engines -------------------------------------------------------------------------
     model_path: Path = Field(Path(".rstar/models/tiny"), description="HF model directory of policy version 0 (config, tokenizer, safetensors)")
     initial_version: int = Field(0, ge=0, description="policy version the model_path weights are")
+    run_id: str = Field("", description="load only this run's weight versions ('' = any run's: one run at a time on the topic)")
     num_engines: int = Field(1, ge=1, description="vLLM engines in this process (each its own engine-core process)")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (GPU installs)")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE on CPU, when set, wins)")

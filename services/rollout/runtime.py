@@ -106,7 +106,7 @@ class RolloutService(Service):
             max_model_len=s.max_model_len, tool_timeout_s=s.tool_timeout_s,
             tool_response_max_chars=s.tool_response_max_chars, instance_id=s.instance_id,
         )
-        self.weights = WeightUpdater(self.engines, reference, min(e.version for e in self.engines))
+        self.weights = WeightUpdater(self.engines, reference, min(e.version for e in self.engines), run_id=s.run_id)
         self._engines_ready = True
         assert ctx.producer is not None
         self.tasks_loop = ConsumerLoop(

@@ -108,11 +108,15 @@ class WeightUpdater:
     """
 
     def __init__(self, engines: Sequence, reference: dict[str, tuple[str, tuple[int, ...]]], version: int,
-                 on_loaded: Callable[[int], Awaitable[None] | None] | None = None) -> None:
+                 on_loaded: Callable[[int], Awaitable[None] | None] | None = None, *, run_id: str = "") -> None:
         self.engines = list(engines)
         self.reference = reference
         self.version = version
-        self.run_id: str | None = None
+        # The run whose versions are served ("": any run's). The topic keeps every run's
+        # versions; without the filter a rollout started for a new run loaded the newest
+        # version of the previous one.
+        self.serves_run = run_id
+        self.run_id: str | None = run_id or None
         self.last_error: str | None = None
         self._announced: WeightVersion | None = None
         self._rejected: set[int] = set()
@@ -122,7 +126,10 @@ class WeightUpdater:
         POLICY_VERSION.set(version)
 
     def announce(self, wv: WeightVersion) -> None:
-        """A version was published. Older than what is served or announced: ignored."""
+        """A version was published. Another run's, or older than what is served or announced: ignored."""
+        if self.serves_run and wv.run_id != self.serves_run:
+            WEIGHT_LOADS.labels("other_run").inc()
+            return
         if wv.version <= self.version or wv.version in self._rejected:
             WEIGHT_LOADS.labels("stale").inc()
             return

@@ -23,8 +23,8 @@ def make_ckpt(path, shape=(4, 8), seed=0):
     return path
 
 
-def wv(path, version, sha=None):
-    return WeightVersion(run_id="r", version=version, step=version, stage=1, uri=uri_for(path),
+def wv(path, version, sha=None, run_id="r"):
+    return WeightVersion(run_id=run_id, version=version, step=version, stage=1, uri=uri_for(path),
                          sha256=sha or checkpoint_sha256(path))
 
 
@@ -100,6 +100,25 @@ def test_updater_loads_newest_announced_and_rolls_back_a_failed_load(tmp_path):
         assert engines[0].version == 2 and engines[0].loads == [2, 3, 2]
         assert engines[1].restarts == [2] and engines[1].version == 2
         assert not await up.wait_for(3, timeout_s=0.2)
+        stop.set()
+        await loader
+
+    asyncio.run(scenario())
+
+
+def test_updater_for_a_run_ignores_other_runs_versions(tmp_path):
+    async def scenario():
+        ref = tensor_index(make_ckpt(tmp_path / "v0"))
+        old_run, new_run = make_ckpt(tmp_path / "old-v12", seed=12), make_ckpt(tmp_path / "new-v1", seed=1)
+        engines = [FakeEngine(0)]
+        up = WeightUpdater(engines, ref, 0, run_id="new")
+        stop = asyncio.Event()
+        loader = asyncio.create_task(up.run(stop))
+        up.announce(wv(old_run, 12, run_id="old"))  # the previous run's newest version, still on the topic
+        up.announce(wv(new_run, 1, run_id="new"))
+        assert await up.wait_for(1, timeout_s=5)
+        assert not await up.wait_for(12, timeout_s=0.2)
+        assert engines[0].loads == [1] and up.version == 1 and up.run_id == "new"
         stop.set()
         await loader
 
