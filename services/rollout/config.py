@@ -30,11 +30,6 @@ class Settings(ServiceSettings):
     max_num_seqs: int = Field(256, ge=1, description="vLLM's cap on concurrently running sequences per engine")
     enforce_eager: bool = Field(False, description="skip graph capture / torch.compile (faster start, slower steps)")
     seed: int = Field(0, description="engine sampling seed")
-    cpu_threads_bind: str | None = Field(
-        None, description="CPU engines: the cores their OpenMP threads run on (VLLM_CPU_OMP_THREADS_BIND, e.g. '0' or "
-        "'0-3'); None: vLLM's default, every core. Bind when a learner shares the machine: two processes each "
-        "spinning OpenMP threads on every core slow both down many times over"
-    )
 
     # --- tools ---------------------------------------------------------------------------
     tool_executor_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["http://127.0.0.1:8102"], description="tool executor replicas")

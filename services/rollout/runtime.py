@@ -19,7 +19,6 @@ A prompt too long for the context is a ``PermanentError`` (dead-lettered with th
 from __future__ import annotations
 
 import asyncio
-import os
 from datetime import datetime, timezone
 from typing import Any
 
@@ -75,9 +74,6 @@ class RolloutService(Service):
             raise FileNotFoundError(f"rollout model_path {model_dir} is not an HF model directory (no config.json)")
         self.tokenizer = Tokenizer.from_hf(load_tokenizer(model_dir))
         reference = tensor_index(model_dir)
-        if s.cpu_threads_bind is not None:
-            # Read by the engine-core processes this one starts (they inherit the environment).
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_threads_bind
         self.engines = self._given_engines or [
             RolloutEngine(i, model=model_dir, dtype=s.dtype, block_size=s.block_size, max_model_len=s.max_model_len,
                           kv_cache_gib=s.kv_cache_gib, max_num_seqs=s.max_num_seqs,

@@ -197,11 +197,11 @@ def test_bad_run_configs_fail_clearly(tmp_path):
 
     # Per-service settings reach the service's section and win over what the run derives.
     tuned = load_run_config(write({**good, "lr": 1e-4, "services": {"learner": {"torch_threads": 1, "lr": 3e-4},
-                                                                    "rollout": {"cpu_threads_bind": "0"}}}))
+                                                                    "rollout": {"max_num_seqs": 64}}}))
     sections = tuned.service_settings()
     assert sections["learner"]["torch_threads"] == 1 and sections["learner"]["lr"] == 3e-4
     assert sections["learner"]["groups_per_step"] == tuned.batch_groups
-    assert sections["rollout"] == {"model_path": str(model), "cpu_threads_bind": "0"}
+    assert sections["rollout"] == {"model_path": str(model), "max_num_seqs": 64}
 
 
 async def test_a_run_with_an_invalid_config_fails_without_stalling_the_others(stack, topic_prefix, db_engine):
