@@ -90,9 +90,11 @@ class BootstrapSettings:
     # Distinct training traces (the learner shuffles them per epoch): 16k traces are ~4.6M
     # tokens, more than an 18-minute run at 3k tokens/s sees, so a default run is < 1 epoch.
     n_traces: int = 16_000
-    # Copy drills mixed in (sft_traces.make_copy_drill): one per trace, ~1/8 of the tokens.
-    # Without them digit copying had not formed after 12-30 minutes (0% solved).
-    copy_drills: int = 16_000
+    # Copy drills mixed in (sft_traces.make_copy_drill): 1.5 per trace, ~1/6 of the tokens.
+    # Without them digit copying had not formed after 12-30 minutes (0% solved); with 16k
+    # single-number drills answer copying formed but copying into code lagged; 24k drills, half
+    # of them expressions, got both (docs/data.md).
+    copy_drills: int = 24_000
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
 
     def __post_init__(self) -> None:

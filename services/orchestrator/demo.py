@@ -32,7 +32,8 @@ DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 # Held-out problems and samples per problem for the before/after evaluation.
 EVAL_PROBLEMS = int(os.environ.get("RSTAR_DEMO_EVAL_PROBLEMS", "100"))
 EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "4"))
-BOOTSTRAP_MINUTES = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MINUTES", "8"))
+# Copying digits forms between ~9 and 12 minutes of SFT on two cores (docs/data.md).
+BOOTSTRAP_MINUTES = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MINUTES", "12"))
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
 # problem yields only all-equal groups, which carry no gradient and never make a step).
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "12"))
