@@ -190,10 +190,6 @@ class LearnerEngine:
         """Release the other ranks (multi-device); the engine takes no more commands."""
         self.dispatch.stop_followers()
 
-    def keep_followers_waiting(self, idle_s: float) -> bool:
-        """Multi-device: ping the other ranks if no command went out for ``idle_s``."""
-        return self.dispatch.ping_if_idle(idle_s)
-
     # ------------------------------------------------------------------ queries
     @property
     def version(self) -> int:
