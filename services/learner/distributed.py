@@ -112,6 +112,20 @@ def init_from_env(backend: str | None = None, *, mixed_precision: bool | None = 
     return DataParallel(mixed_precision=use_cuda if mixed_precision is None else mixed_precision, device=device)
 
 
+def leave_process_group() -> None:
+    """Destroy the default process group at the end of a rank's work (every rank).
+
+    A sharded model's DTensors hold the group. Freed after it, during interpreter exit, gloo's
+    worker threads abort the process ("terminate called without an active exception"), so the
+    caller drops its references to models and trainers first and this collects what is left
+    (reference cycles included) before the group goes.
+    """
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def split_for_ranks(sequences: list[TrainSequence], world_size: int) -> list[list[TrainSequence]]:
     """Deal sequences to ranks, longest first onto the rank with the fewest tokens (deterministic)."""
     loads = [0] * world_size

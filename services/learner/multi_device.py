@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import signal
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from services.learner.commands import RankWorker, follow
 from services.learner.config import Settings
-from services.learner.distributed import DataParallel, init_from_env
+from services.learner.distributed import DataParallel, init_from_env, leave_process_group
 from services.learner.engine import EngineConfig, LearnerEngine, load_policy
 from services.learner.runtime import LearnerService
 from shared.logging import configure_logging, get_logger
@@ -79,11 +77,7 @@ def run_ranks(settings: Settings) -> None:
         else:
             run_follower(settings, dp)
     finally:
-        # The sharded model's DTensors hold the process group; free them (reference cycles
-        # included) first, so the group is torn down here and not in the interpreter's exit, where
-        # gloo's worker threads abort the process ("terminate called without an active exception").
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,6 +59,7 @@ def _start(env: dict, instance: str, log_path: Path, entry: list[str] = ENTRY_MO
     return subprocess.Popen(
         [TORCHRUN, "--standalone", "--nproc-per-node", "2", *entry],
         cwd=REPO, env={**env, "RSTAR_INSTANCE_ID": instance}, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,  # a process group of its own: a failed test kills the ranks too
     )
 
 
@@ -156,7 +157,8 @@ async def test_two_process_learner_service_trains_publishes_stops_and_resumes(st
         _assert_same_weights(path_from_uri(v2.uri), ref / "v00000002" / "weights")
     finally:
         if launcher is not None and launcher.poll() is None:
-            launcher.kill()
+            # SIGKILL to torchrun alone would orphan its ranks (it cannot forward that signal).
+            os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
         await producer.stop()
         await db.dispose()

@@ -17,26 +17,31 @@ from learner_helpers import random_sequences, tiny_llama  # noqa: E402
 CFG = dict(lr=1e-2, warmup_steps=0, micro_batch_tokens=48)
 
 
+def _train_and_save(rank: int, world: int, out_dir: str, mode: str) -> None:
+    from services.learner.distributed import DataParallel, split_for_ranks
+
+    model = tiny_llama(seed=5)
+    dp = DataParallel()
+    trainer = PolicyTrainer(model, TrainerConfig(**CFG), dist=dp)
+    seqs = random_sequences(7, seed=2, rl=mode == "rl")
+    mine = split_for_ranks(seqs, world)[rank]
+    m = trainer.train_step(mine).metrics if mode == "rl" else trainer.sft_step(mine)
+    full = dp.full_state_dict(trainer.net.model)
+    if rank == 0:
+        torch.save({"metrics": m, "weights": {k: v.clone() for k, v in full.items()}}, Path(out_dir) / f"{mode}.pt")
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, mode: str) -> None:
     import torch.distributed as dist
 
-    from services.learner.checkpoints import weights_state_dict
-    from services.learner.distributed import DataParallel, split_for_ranks
+    from services.learner.distributed import leave_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model = tiny_llama(seed=5)
-        dp = DataParallel()
-        trainer = PolicyTrainer(model, TrainerConfig(**CFG), dist=dp)
-        seqs = random_sequences(7, seed=2, rl=mode == "rl")
-        mine = split_for_ranks(seqs, world)[rank]
-        m = trainer.train_step(mine).metrics if mode == "rl" else trainer.sft_step(mine)
-        full = dp.full_state_dict(trainer.net.model)
-        if rank == 0:
-            torch.save({"metrics": m, "weights": {k: v.clone() for k, v in full.items()}}, Path(out_dir) / f"{mode}.pt")
+        _train_and_save(rank, world, out_dir, mode)  # its sharded model is gone when it returns
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 @pytest.mark.parametrize("mode", ["rl", "sft"])

@@ -37,22 +37,28 @@ def _train(engine: LearnerEngine, steps) -> None:
 def _ranks(rank: int, init_file: str, model_dir: str, ckpt: str, steps) -> None:
     import torch.distributed as dist
 
-    from services.learner.distributed import DataParallel
-    from services.learner.multi_device import run_follower
+    from services.learner.distributed import leave_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        settings = _settings(Path(model_dir), Path(ckpt))
-        dp = DataParallel()
-        if rank == 0:
-            engine = LearnerEngine.open(EngineConfig.from_settings(settings), dp)
-            _train(engine, steps)
-            engine.close()
-        else:
-            assert run_follower(settings, dp) > 0
+        _rank_main(rank, Path(model_dir), Path(ckpt), steps)  # its sharded model is gone when it returns
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
+
+
+def _rank_main(rank: int, model_dir: Path, ckpt: Path, steps) -> None:
+    from services.learner.distributed import DataParallel
+    from services.learner.multi_device import run_follower
+
+    settings = _settings(model_dir, ckpt)
+    dp = DataParallel()
+    if rank == 0:
+        engine = LearnerEngine.open(EngineConfig.from_settings(settings), dp)
+        _train(engine, steps)
+        engine.close()
+    else:
+        assert run_follower(settings, dp) > 0
 
 
 def _checkpoint(ckpt: Path, version: int):
