@@ -344,6 +344,7 @@ class LearnerService(Service):
 
 def build_service(settings: Settings) -> LearnerService:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RuntimeError("`rstar serve learner` runs on one device; under torchrun start "
-                           "`torchrun --nproc-per-node N -m services.learner.multi_device` instead")
+        # `rstar serve learner` routes torchrun launches to multi_device.run_ranks before this.
+        raise RuntimeError("build_service makes the one-device learner; under torchrun run "
+                           "services.learner.multi_device.run_ranks (what `rstar serve learner` does)")
     return LearnerService(settings)
