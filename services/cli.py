@@ -45,14 +45,18 @@ EXTENSIONS = [
 ]
 
 
+def settings_class(name: str):
+    """A service's Settings class (its config module only); KeyError for an unknown name."""
+    return importlib.import_module(f"services.{SERVICES[name]}.config").Settings
+
+
 def load_service(name: str):
     """(SettingsCls, build_service) for a service name, with a clear error for a bad name."""
     module = SERVICES.get(name)
     if module is None:
         raise typer.BadParameter(f"unknown service {name!r}; choose one of {', '.join(SERVICES)}")
-    config = importlib.import_module(f"services.{module}.config")
     runtime = importlib.import_module(f"services.{module}.runtime")
-    return config.Settings, runtime.build_service
+    return settings_class(name), runtime.build_service
 
 
 @app.command()

@@ -92,16 +92,14 @@ class RunConfig(_Strict):
     @field_validator("services")
     @classmethod
     def _service_settings_exist(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        import importlib
-
-        from services.cli import SERVICES
+        from services.cli import SERVICES, settings_class
 
         errors = []
         for name, values in v.items():
             if name not in SERVICES:
                 errors.append(f"unknown service {name!r} (one of {', '.join(SERVICES)})")
                 continue
-            known = importlib.import_module(f"services.{SERVICES[name]}.config").Settings.model_fields
+            known = settings_class(name).model_fields
             unknown = sorted(set(values) - set(known))
             if unknown:
                 errors.append(f"services.{name}: unknown setting(s) {', '.join(unknown)}")
