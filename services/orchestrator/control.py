@@ -9,7 +9,7 @@ Admission (bounded staleness)
     ``live = dispatched − dropped`` groups that will be trained, the orchestrator admits a new
     task only while::
 
-        live < (η + v + 1) · B
+        live < min(η + v + 1, S) · B      (S = the run's total learner steps)
 
     Group number k (in admission order) is then admitted while the version is at least
     ``⌊k/B⌋ − η``, and is trained at step ``⌊k/B⌋``: its tokens are at most η versions older
@@ -63,10 +63,16 @@ class ProblemStats:
     last_successes: int
 
 
-def admission_budget(p: Progress, *, batch_groups: int, max_staleness: int) -> int:
-    """How many new tasks may be dispatched now (never negative)."""
+def admission_budget(p: Progress, *, batch_groups: int, max_staleness: int, total_steps: int | None = None) -> int:
+    """How many new tasks may be dispatched now (never negative). With ``total_steps`` the run
+    never has more live groups than its last step trains: the learner steps whenever B groups
+    are waiting, so a group admitted past the end would make it take a step the run never
+    asked for."""
     live = p.dispatched - p.dropped
-    return max(0, (max_staleness + p.version + 1) * batch_groups - live)
+    ceiling = (max_staleness + p.version + 1) * batch_groups
+    if total_steps is not None:
+        ceiling = min(ceiling, total_steps * batch_groups)
+    return max(0, ceiling - live)
 
 
 def staleness_bound_holds(admitted_at_version: Sequence[int], *, batch_groups: int, max_staleness: int) -> bool:

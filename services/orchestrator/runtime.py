@@ -197,7 +197,8 @@ class OrchestratorService(Service):
             self.ctx.log.info("task_redispatched", run_id=run_id, task_id=task.task_id, attempt=task.attempt)
 
         # New tasks within the admission budget.
-        budget = min(control.admission_budget(progress, batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness),
+        budget = min(control.admission_budget(progress, batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness,
+                                              total_steps=cfg.total_steps),
                      self.settings.max_dispatch_per_tick)
         if budget <= 0:
             return

@@ -24,23 +24,34 @@ def test_admission_budget_formula():
     assert control.admission_budget(Progress(0, 0, 50, 0), batch_groups=4, max_staleness=0) == 0  # never negative
 
 
+def test_admission_stops_at_the_groups_of_the_last_step():
+    # 3 steps of B=2: at version 2 with η=1 the staleness ceiling would allow 8 live groups,
+    # but only 6 will ever be trained; a 7th would make the learner take a 4th step.
+    assert control.admission_budget(Progress(2, 2, 6, 0), batch_groups=2, max_staleness=1) == 2
+    assert control.admission_budget(Progress(2, 2, 6, 0), batch_groups=2, max_staleness=1, total_steps=3) == 0
+    # a dropped group is replaced even at the end
+    assert control.admission_budget(Progress(2, 2, 6, 1), batch_groups=2, max_staleness=1, total_steps=3) == 1
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     batch=st.integers(1, 6),
     eta=st.integers(0, 3),
+    total_steps=st.integers(1, 20),
     events=st.lists(st.sampled_from(["tick", "score", "drop"]), min_size=1, max_size=200),
 )
-def test_simulated_run_never_exceeds_staleness(batch, eta, events):
+def test_simulated_run_never_exceeds_staleness(batch, eta, total_steps, events):
     """Simulate an async run: the orchestrator admits by the budget, groups finish in order,
     some are dropped, the learner steps every B trainable groups. Every trained group's
-    staleness (training version − admission version) stays within η."""
+    staleness (training version − admission version) stays within η, and the learner never
+    steps past the run's last step."""
     version, dispatched, dropped = 0, 0, 0
     queue: list[int] = []  # admission versions of admitted, unfinished groups (FIFO)
     ready: list[int] = []  # scored, waiting for the learner
     for ev in events:
         if ev == "tick":
             n = control.admission_budget(Progress(version, version, dispatched, dropped),
-                                         batch_groups=batch, max_staleness=eta)
+                                         batch_groups=batch, max_staleness=eta, total_steps=total_steps)
             queue.extend([version] * n)
             dispatched += n
         elif queue:
@@ -53,6 +64,7 @@ def test_simulated_run_never_exceeds_staleness(batch, eta, events):
             step_groups, ready = ready[:batch], ready[batch:]
             assert all(version - v <= eta for v in step_groups), (version, step_groups)
             version += 1
+            assert version <= total_steps
 
 
 def test_staleness_bound_checker():
