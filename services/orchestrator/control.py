@@ -26,8 +26,12 @@ Leases
     not wait for it forever).
 
 Curriculum
-    Stages run for a number of learner steps each; the stage of new tasks follows the steps
-    done. Entering a stage that feeds only hard problems filters the problem set: a problem is
+    Stages run for a number of learner steps each. A new task belongs to the stage of the step
+    that will train it: with ``live`` groups already admitted it becomes group number ``live``
+    and is trained at step ``⌊live/B⌋`` (up to groups dropped on the way). So with η > 0 the
+    first tasks of a stage are sent up to η steps before the learner reaches it, with that
+    stage's settings, and the learner's stage-3 optimizer reset falls on the first step whose
+    groups are stage-3 groups. Entering a stage that feeds only hard problems filters the problem set: a problem is
     dropped when its most recent scored group solved it every time, over at least
     ``solved_min_attempts`` attempts (the paper: "solved 8/8"); unseen problems stay.
 """
@@ -107,13 +111,19 @@ class StagePosition:
 
 
 def stage_position(steps_done: int, stage_steps: Sequence[int]) -> StagePosition:
-    """Which stage new tasks belong to, given the learner steps done so far."""
+    """Which stage the step after ``steps_done`` steps belongs to (finished: past the last)."""
     end = 0
     for i, steps in enumerate(stage_steps):
         end += steps
         if steps_done < end:
             return StagePosition(i, False)
     return StagePosition(len(stage_steps), True)
+
+
+def stage_of_new_task(live: int, *, batch_groups: int, stage_steps: Sequence[int]) -> StagePosition:
+    """The stage of a task admitted when ``live`` groups are live: the stage of the step that
+    trains it (see "Curriculum")."""
+    return stage_position(live // batch_groups, stage_steps)
 
 
 def hard_problems(stats: Sequence[ProblemStats], all_ids: Sequence[str], *, min_attempts: int) -> list[str]:

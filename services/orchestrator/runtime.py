@@ -167,11 +167,10 @@ class OrchestratorService(Service):
                 await session.commit()
                 self.ctx.log.info("run_finished", run_id=run_id, steps=progress.steps_done, version=progress.version)
                 return
-            stage_cfg = cfg.stages[position.index]
-            stage_row = await self._enter_stage(session, run_id, cfg, position.index, progress, now)
-            STAGE.labels(run_id).set(stage_cfg.stage)
+            training_stage = cfg.stages[position.index].stage  # new tasks may already be a stage ahead
+            STAGE.labels(run_id).set(training_stage)
             await session.execute(update(Run).where(Run.run_id == run_id).values(
-                current_stage=stage_cfg.stage, current_version=progress.version))
+                current_stage=training_stage, current_version=progress.version))
 
             # Leases past their deadline.
             leased = (await session.execute(select(RolloutTaskRow).where(
@@ -202,16 +201,26 @@ class OrchestratorService(Service):
                      self.settings.max_dispatch_per_tick)
         if budget <= 0:
             return
-        stage_ids = stage_row.config.get("problem_ids") or await self._problem_ids(run_id)
-        first = int(stage_row.config.get("first_task_index", 0))
+        stage_steps = [s.steps for s in cfg.stages]
+        live = progress.dispatched - progress.dropped
         new_rows = []
-        for i in range(progress.dispatched, progress.dispatched + budget):
-            pid = control.problem_at(i - first, stage_ids, cfg.seed * 1000 + stage_cfg.stage)
-            new_rows.append(RolloutTaskRow(
-                task_id=new_id(), run_id=run_id, stage=stage_cfg.stage, problem_id=pid, status="leased",
-                deadline=control.new_deadline(now, cfg.task_timeout_s), attempts=1, min_policy_version=progress.version,
-                lease_owner=None))
+        stage_rows: dict[int, Stage] = {}
         async with self.ctx.sessions() as session:
+            for j in range(budget):
+                index = progress.dispatched + j
+                position = control.stage_of_new_task(live + j, batch_groups=cfg.batch_groups, stage_steps=stage_steps)
+                stage_cfg = cfg.stages[position.index]  # not finished: admission stops at the run's last step
+                if position.index not in stage_rows:
+                    stage_rows[position.index] = await self._enter_stage(
+                        session, run_id, cfg, position.index, index, progress.version, now)
+                stage_row = stage_rows[position.index]
+                stage_ids = stage_row.config.get("problem_ids") or await self._problem_ids(run_id)
+                first = int(stage_row.config.get("first_task_index", 0))
+                pid = control.problem_at(index - first, stage_ids, cfg.seed * 1000 + stage_cfg.stage)
+                new_rows.append(RolloutTaskRow(
+                    task_id=new_id(), run_id=run_id, stage=stage_cfg.stage, problem_id=pid, status="leased",
+                    deadline=control.new_deadline(now, cfg.task_timeout_s), attempts=1,
+                    min_policy_version=progress.version, lease_owner=None))
             session.add_all(new_rows)
             await session.commit()
             events = await self._task_events(session, run_id, cfg, new_rows)
@@ -219,16 +228,17 @@ class OrchestratorService(Service):
             await self.ctx.producer.send(self.ctx.topic(topics.ROLLOUT_TASKS), task, key=task.problem_id)
             TASKS_SENT.labels("new").inc()
 
-    async def _enter_stage(self, session, run_id: str, cfg: RunConfig, index: int, progress: control.Progress,
-                           now: datetime) -> Stage:
-        """The Stage row of stage ``index``, created (with its problem list) on first entry."""
+    async def _enter_stage(self, session, run_id: str, cfg: RunConfig, index: int, first_task_index: int,
+                           version: int, now: datetime) -> Stage:
+        """The Stage row of stage ``index``, created (with its problem list) when its first task
+        (the run's ``first_task_index``-th) is admitted."""
         stage_cfg = cfg.stages[index]
         row = (await session.execute(select(Stage).where(Stage.run_id == run_id, Stage.stage == stage_cfg.stage))).scalar_one_or_none()
         if row is not None:
             return row
         await session.execute(update(Stage).where(Stage.run_id == run_id, Stage.status == "running").values(
             status="done", ended_at=now))
-        config: dict = {"first_task_index": progress.dispatched, **stage_cfg.model_dump()}
+        config: dict = {"first_task_index": first_task_index, **stage_cfg.model_dump()}
         if stage_cfg.only_hard:
             all_ids = await self._problem_ids(run_id)
             stats = (await session.execute(select(Problem.problem_id, Problem.last_attempts, Problem.last_successes)
@@ -241,10 +251,10 @@ class OrchestratorService(Service):
             config["problem_ids"] = kept
             config["dropped_solved"] = len(all_ids) - len(kept)
         row = Stage(run_id=run_id, stage=stage_cfg.stage, status="running", started_at=now,
-                    start_version=progress.version, config=config)
+                    start_version=version, config=config)
         session.add(row)
         await session.flush()
-        self.ctx.log.info("stage_entered", run_id=run_id, stage=stage_cfg.stage, version=progress.version,
+        self.ctx.log.info("stage_entered", run_id=run_id, stage=stage_cfg.stage, version=version,
                           problems=len(config.get("problem_ids", [])) or None,
                           dropped_solved=config.get("dropped_solved"))
         return row

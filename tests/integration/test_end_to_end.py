@@ -20,7 +20,9 @@ from services.orchestrator.runtime import create_run
 from shared.db.models import LearnerStep, PolicyVersion, RolloutTaskRow, Run, TrajectoryGroupRow
 from shared.db.session import session_factory
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+# Each test starts every service (a vLLM engine twice in the kill test): more than the default
+# 300 s per test when the machine is busy.
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 

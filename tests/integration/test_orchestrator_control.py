@@ -107,14 +107,37 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
             assert (await s.execute(select(Run.status).where(Run.run_id == run_id))).scalar_one() == "running"
             assert len((await s.execute(select(Problem).where(Problem.run_id == run_id))).all()) == 6
 
+        # Problems solved 8/8 in their last group: the hard-only stage 3 will not feed them.
+        async with sessions() as s:
+            pids = [p for (p,) in (await s.execute(select(Problem.problem_id).where(Problem.run_id == run_id)))]
+            solved = pids[:2]
+            for pid in solved:
+                await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pid).values(
+                    last_attempts=8, last_successes=8))
+            await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pids[2]).values(
+                last_attempts=8, last_successes=7))
+            await s.commit()
+
         # A dropped group (no signal) frees its place at once.
         await _score(sessions, run_id, [first[0].task_id], dropped=True)
         await reader.read(5)
-        # Two groups trained -> version 1 -> budget (1+1+1)·2 = 6 live.
+        # Two groups trained -> version 1 -> budget (1+1+1)·2 = 6 live, which is all the run's
+        # 3 steps will train. The last two are trained at step 3, in stage 3: they are stage-3
+        # tasks, sent before the learner gets there.
         await _score(sessions, run_id, [t.task_id for t in first[1:3]])
         await _learner_step(sessions, run_id, 1)
         tasks = await reader.read(7)
         assert tasks[-1].min_policy_version == 1
+        assert [t.stage for t in tasks] == [1] * 5 + [3] * 2
+
+        async def stage3_row():
+            async with sessions() as s:
+                return (await s.execute(select(Stage).where(Stage.run_id == run_id, Stage.stage == 3))).scalar_one_or_none()
+        st3 = await stage3_row()
+        assert st3.config["dropped_solved"] == 2 and set(st3.config["problem_ids"]) == set(pids) - set(solved)
+        assert st3.config["first_task_index"] == 5 and st3.start_version == 1
+        assert all(t.problem_id not in solved for t in tasks[5:])
+        assert tasks[5].sampling.max_turns == 4 and tasks[5].sampling.max_tokens == 768
 
         # An expired lease is re-dispatched under the same task id with attempt 2.
         victim = tasks[3].task_id
@@ -129,29 +152,14 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
             row = (await s.execute(select(RolloutTaskRow).where(RolloutTaskRow.task_id == victim))).scalar_one()
             assert row.attempts == 2 and row.status == "leased"
 
-        # Stage 3 after 2 steps: problems solved 8/8 in their last group are no longer fed.
-        async with sessions() as s:
-            pids = [p for (p,) in (await s.execute(select(Problem.problem_id).where(Problem.run_id == run_id)))]
-            solved = pids[:2]
-            for pid in solved:
-                await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pid).values(
-                    last_attempts=8, last_successes=8))
-            await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pids[2]).values(
-                last_attempts=8, last_successes=7))
-            await s.commit()
+        # Step 2: nothing new (the run's 6 groups are all live), and the run is in stage 3 now.
         await _learner_step(sessions, run_id, 2)
-        n_before = len(reader.tasks)
-        await reader.read(n_before + 2)
 
-        async def stage3_row():
+        async def training_stage_3():
             async with sessions() as s:
-                return (await s.execute(select(Stage).where(Stage.run_id == run_id, Stage.stage == 3))).scalar_one_or_none()
-        await _wait(stage3_row)
-        st3 = await stage3_row()
-        assert st3.config["dropped_solved"] == 2 and set(st3.config["problem_ids"]) == set(pids) - set(solved)
-        stage3_tasks = [t for t in reader.tasks if t.stage == 3]
-        assert stage3_tasks and all(t.problem_id not in solved for t in stage3_tasks)
-        assert stage3_tasks[0].sampling.max_turns == 4
+                return (await s.execute(select(Run.current_stage).where(Run.run_id == run_id))).scalar_one() == 3
+        await _wait(training_stage_3)
+        assert await reader.quiet(1.0) == 0
 
         # Last step -> run finished, nothing more dispatched.
         await _learner_step(sessions, run_id, 3)

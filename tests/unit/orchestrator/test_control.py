@@ -67,6 +67,13 @@ def test_simulated_run_never_exceeds_staleness(batch, eta, total_steps, events):
             assert version <= total_steps
 
 
+def test_a_new_task_belongs_to_the_stage_of_the_step_that_trains_it():
+    stages = [2, 1]  # stage A: steps 0-1, stage B: step 2
+    got = [control.stage_of_new_task(live, batch_groups=2, stage_steps=stages) for live in range(7)]
+    assert [p.index for p in got] == [0, 0, 0, 0, 1, 1, 2]
+    assert [p.finished for p in got] == [False] * 6 + [True]
+
+
 def test_staleness_bound_checker():
     assert control.staleness_bound_holds([0, 0, 0, 0, 1, 1], batch_groups=2, max_staleness=1)
     assert not control.staleness_bound_holds([0, 0, 0, 0, 0], batch_groups=2, max_staleness=1)
