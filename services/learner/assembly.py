@@ -107,8 +107,9 @@ class StepAssembler:
         new = self.step_stage(groups)
         return self.stage is not None and self.stage < OPTIMIZER_RESET_STAGE <= new
 
-    def complete(self, groups: list[ScoredGroup], new_version: int) -> None:
-        """The step on ``groups`` is checkpointed as ``new_version``: remember them, unbuffer them."""
+    def complete(self, groups: list[ScoredGroup], new_version: int) -> list[str]:
+        """The step on ``groups`` is checkpointed as ``new_version``: remember them, unbuffer them.
+        Returns the ids of buffered groups that the new version made stale (dropped)."""
         ids = {g.group_id for g in groups}
         self.consumed |= ids
         self.buffer = [g for g in self.buffer if g.group_id not in ids]
@@ -116,14 +117,16 @@ class StepAssembler:
         self.version = new_version
         self.dropped_stale = 0
         # Buffered groups may have become stale under the new version.
-        keep = []
+        keep, stale = [], []
         for g in self.buffer:
             if g.min_policy_version < self.staleness_floor():
                 self.dropped_stale += 1
                 self.counts[Decision.STALE.value] += 1
+                stale.append(g.group_id)
             else:
                 keep.append(g)
         self.buffer = keep
+        return stale
 
     def discard(self, groups: list[ScoredGroup]) -> None:
         """Give up on these buffered groups without training (e.g. a non-finite gradient):

@@ -60,6 +60,7 @@ class StepOutcome:
     dropped_stale: int
     trained: bool = True  # False: the batch was given up (non-finite gradient)
     stats: GroupStats | None = None
+    stale_group_ids: list[str] = field(default_factory=list)  # buffered groups the new version made stale
 
     @property
     def uri(self) -> str:
@@ -267,9 +268,9 @@ class LearnerEngine:
         metrics["checkpoint_seconds"] = time.perf_counter() - t1
         self.state = new
         self.resumed = True
-        self.assembler.complete(groups, new.version)
+        stale = self.assembler.complete(groups, new.version)
         removed = self.store.prune(self.cfg.keep_last)
         log.info("step_done", step=new.step, version=new.version, loss=metrics["loss"], tokens_per_s=round(metrics["tokens_per_s"]),
                  pruned=removed)
         return StepOutcome(new.version, new.step, stage, weights_dir, sha, [g.group_id for g in groups], metrics,
-                           optimizer_reset=reset, dropped_stale=dropped, stats=stats)
+                           optimizer_reset=reset, dropped_stale=dropped, stats=stats, stale_group_ids=stale)

@@ -55,6 +55,14 @@ from shared.runtime import RuntimeContext, Service
 
 log = get_logger("learner")
 
+
+def _skip(run_id: str, group_ids: list[str], reason: str):
+    # Never over a group some step trained on (a redelivered duplicate is not a skip).
+    return (update(TrajectoryGroupRow)
+            .where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id.in_(group_ids),
+                   TrajectoryGroupRow.trained_step.is_(None))
+            .values(learner_skipped=reason))
+
 # Per-step metrics exported as gauges named rstar_learner_<name> (the latest step's value).
 STEP_METRICS = {
     "loss": "GRPO-RoC surrogate loss (token-mean)",
@@ -221,6 +229,9 @@ class LearnerService(Service):
             if decision is not Decision.ACCEPTED:
                 log.info("group_skipped", decision=decision.value, min_version=group.min_policy_version,
                          version=self.engine.version)
+            if decision in (Decision.STALE, Decision.NO_SIGNAL):
+                await self._until_done("record_skip", lambda: self._record_skipped(
+                    group.run_id, [group.group_id], decision.value))
             if not self._announced_initial and self.engine.run_id:
                 # in a thread: version 0's hash reads the whole initial model, and a blocked event
                 # loop would stop the consumer's polls and heartbeats
@@ -266,24 +277,15 @@ class LearnerService(Service):
         assert self.ctx is not None and self.ctx.sessions is not None and self.ctx.producer is not None
         assert self.engine is not None
         run_id = self.engine.run_id
-        attempt = 0
-        while True:
-            try:
-                await self._record(run_id, outcome)
-                event = WeightVersion(run_id=run_id, version=outcome.version, step=outcome.step, stage=outcome.stage,
-                                      uri=outcome.uri, sha256=outcome.sha256)
-                await self.ctx.producer.send(self.ctx.topic(topics.WEIGHTS), event, key=run_id,
-                                             event_id=weights_event_id(run_id, outcome.version))
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the checkpoint exists; it must get recorded
-                if self._stop.is_set():
-                    raise
-                delay = min(BACKOFF_MAX_S, 0.2 * 2**attempt)
-                log.warning("announce_failed", version=outcome.version, error=repr(exc), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                attempt += 1
+
+        async def announce() -> None:
+            await self._record(run_id, outcome)
+            event = WeightVersion(run_id=run_id, version=outcome.version, step=outcome.step, stage=outcome.stage,
+                                  uri=outcome.uri, sha256=outcome.sha256)
+            await self.ctx.producer.send(self.ctx.topic(topics.WEIGHTS), event, key=run_id,
+                                         event_id=weights_event_id(run_id, outcome.version))
+
+        await self._until_done("announce", announce, version=outcome.version)
         self._announced_initial = True
         VERSION.set(outcome.version)
         STEP.set(outcome.step)
@@ -295,6 +297,32 @@ class LearnerService(Service):
             if outcome.optimizer_reset:
                 OPTIMIZER_RESETS.inc()
         log.info("version_published", version=outcome.version, step=outcome.step, uri=outcome.uri)
+
+    async def _until_done(self, what: str, op, **log_fields) -> None:
+        """Run ``op`` until it succeeds (transient or not: what it records must not be
+        forgotten), backing off; only a stop request ends the retries."""
+        attempt = 0
+        while True:
+            try:
+                await op()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                if self._stop.is_set():
+                    raise
+                delay = min(BACKOFF_MAX_S, 0.2 * 2**attempt)
+                log.warning(f"{what}_failed", error=repr(exc), retry_in_s=delay, **log_fields)
+                await asyncio.sleep(delay)
+                attempt += 1
+
+    async def _record_skipped(self, run_id: str, group_ids: list[str], reason: str) -> None:
+        """Mark groups the learner gave up for good (stale, no signal): the orchestrator counts
+        them as dropped and admits replacements."""
+        assert self.ctx is not None and self.ctx.sessions is not None
+        async with self.ctx.sessions() as session:
+            await session.execute(_skip(run_id, group_ids, reason))
+            await session.commit()
 
     async def _record(self, run_id: str, outcome: StepOutcome) -> None:
         assert self.ctx is not None and self.ctx.sessions is not None
@@ -311,6 +339,8 @@ class LearnerService(Service):
                     .where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id.in_(outcome.group_ids))
                     .values(trained_step=outcome.step)
                 )
+            if outcome.stale_group_ids:
+                await session.execute(_skip(run_id, outcome.stale_group_ids, Decision.STALE.value))
             await session.execute(
                 update(Run).where(Run.run_id == run_id)
                 .values(current_version=func.greatest(Run.current_version, outcome.version))

@@ -55,24 +55,28 @@ async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:
     """The run's progress snapshot, and the figures /v1/runs shows."""
     version = (await session.execute(
         select(func.coalesce(func.max(PolicyVersion.version), 0)).where(PolicyVersion.run_id == run_id))).scalar_one()
-    steps = (await session.execute(select(
-        func.count(LearnerStep.step), func.coalesce(func.sum(LearnerStep.dropped_stale), 0),
-    ).where(LearnerStep.run_id == run_id))).one()
+    steps_done = (await session.execute(
+        select(func.count(LearnerStep.step)).where(LearnerStep.run_id == run_id))).scalar_one()
     dispatched = (await session.execute(
         select(func.count()).select_from(RolloutTaskRow).where(RolloutTaskRow.run_id == run_id))).scalar_one()
     given_up = (await session.execute(select(func.count()).select_from(RolloutTaskRow).where(
         RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "failed"))).scalar_one()
+    # A group is dropped when the reward does not publish it (no signal) or the learner gives
+    # it up (stale, no signal: ``learner_skipped``, recorded the moment it happens).
+    skipped = (TrajectoryGroupRow.learner_skipped.is_not(None)) & (TrajectoryGroupRow.status != "dropped")
     groups = (await session.execute(select(
-        func.count(), func.count().filter(TrajectoryGroupRow.status == "dropped"), func.avg(TrajectoryGroupRow.pass_rate),
+        func.count(), func.count().filter(TrajectoryGroupRow.status == "dropped"),
+        func.count().filter(skipped & (TrajectoryGroupRow.learner_skipped == "stale")),
+        func.count().filter(skipped), func.avg(TrajectoryGroupRow.pass_rate),
     ).where(TrajectoryGroupRow.run_id == run_id))).one()
     progress = control.Progress(
-        version=int(version), steps_done=int(steps[0]), dispatched=int(dispatched),
-        dropped=int(groups[1]) + int(steps[1]) + int(given_up),
+        version=int(version), steps_done=int(steps_done), dispatched=int(dispatched),
+        dropped=int(groups[1]) + int(groups[3]) + int(given_up),
     )
     figures = {"version": progress.version, "steps_done": progress.steps_done, "dispatched": progress.dispatched,
                "dropped": progress.dropped, "groups_scored": int(groups[0]), "groups_dropped_no_signal": int(groups[1]),
-               "dropped_stale": int(steps[1]), "tasks_given_up": int(given_up),
-               "pass_rate_mean": float(groups[2]) if groups[2] is not None else None}
+               "dropped_stale": int(groups[2]), "tasks_given_up": int(given_up),
+               "pass_rate_mean": float(groups[4]) if groups[4] is not None else None}
     return progress, figures
 
 

@@ -19,8 +19,8 @@ from services.learner.runtime import LearnerService
 from shared import stack as stack_mod
 from shared import topics
 from shared.checkpoint import path_from_uri, verify_checkpoint
-from shared.db.models import LearnerStep, PolicyVersion
-from shared.db.session import make_engine, session_factory
+from shared.db.models import LearnerStep, PolicyVersion, TrajectoryGroupRow
+from shared.db.session import make_engine, session_factory, upsert
 from shared.events import RocStats, ScoredGroup, ScoredTrajectory, ToolCallRecord, Trajectory, WeightVersion, decode
 from shared.kafka import EventProducer, ensure_topics
 from shared.runtime import run_service
@@ -143,6 +143,25 @@ async def test_scored_groups_in_weight_versions_out_and_restart_without_retraini
         assert svc2.engine.assembler.counts["duplicate"] == 2
         assert set(svc2.engine.state.consumed) == {"a", "b", "c", "d"}
         assert svc2.engine.version == 2  # a and b did not make a third step
+
+        # A group from version 0 is past the bound now (η = 1): the learner drops it and records
+        # that at once, so the orchestrator can admit a replacement without waiting for a step.
+        async with sessions() as s:
+            await s.execute(upsert(TrajectoryGroupRow, dict(
+                run_id=RUN, group_id="old", stage=1, problem_id="p-old", min_version=0, max_version=0, n_total=8,
+                n_correct=4, pass_rate=0.5, n_selected=4, all_equal=False, roc_mode="roc", roc_stats={},
+                status="published", kafka_topic="t", kafka_partition=0, kafka_offset=0)))
+            await s.commit()
+        await producer.send(scored_topic, _group("old", version=0), key="old")
+        skipped = None
+        for _ in range(100):
+            async with sessions() as s:
+                skipped = (await s.execute(select(TrajectoryGroupRow.learner_skipped).where(
+                    TrajectoryGroupRow.run_id == RUN, TrajectoryGroupRow.group_id == "old"))).scalar_one()
+            if skipped:
+                break
+            await asyncio.sleep(0.1)
+        assert skipped == "stale"
         svc2.request_stop()
         await asyncio.wait_for(task2, 60)
         async with sessions() as s:

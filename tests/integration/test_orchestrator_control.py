@@ -161,6 +161,18 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
         await _wait(training_stage_3)
         assert await reader.quiet(1.0) == 0
 
+        # The learner gives a scored group up (stale under the newer version): it is recorded at
+        # once, and its place goes to a replacement (a stage-3 task: the run's last step trains it).
+        await _score(sessions, run_id, [tasks[4].task_id])
+        async with sessions() as s:
+            await s.execute(update(TrajectoryGroupRow).where(TrajectoryGroupRow.group_id == tasks[4].task_id).values(
+                learner_skipped="stale"))
+            await s.commit()
+        n_before = len(reader.tasks)
+        replacement = (await reader.read(n_before + 1))[-1]
+        assert replacement.stage == 3 and replacement.min_policy_version == 2
+        assert await reader.quiet(1.0) == 0
+
         # Last step -> run finished, nothing more dispatched.
         await _learner_step(sessions, run_id, 3)
 

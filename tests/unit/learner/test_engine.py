@@ -113,8 +113,8 @@ def test_assembler_drops_stale_and_skips_no_signal_and_other_runs():
     assert a.ready() and a.dropped_stale == 1
     groups = a.peek()
     a.offer(scored_group("later", version=4))
-    a.complete(groups, 6)
     # "later" (from version 4) became stale when the version moved to 6 with η = 1
+    assert a.complete(groups, 6) == ["later"]
     assert a.buffer == [] and a.dropped_stale == 1 and a.consumed == {"ok", "ok2"}
 
 
