@@ -11,9 +11,12 @@ Rules, applied to each offered group in this order:
    re-dispatched tasks are never trained twice;
 3. *stale* — a group with ``min_policy_version < version − η`` (its oldest token came from a
    policy more than η versions behind the one being trained) is dropped and counted;
-4. *no signal* — (optional) a group whose kept advantages are all 0 carries no gradient and is
+4. *run complete* — once the version reached ``final_version`` (the run's last step) nothing
+   more is trained; with η > 0 the orchestrator admits up to η·B groups beyond the last step
+   (so the last steps need not wait for stragglers), and they end here;
+5. *no signal* — (optional) a group whose kept advantages are all 0 carries no gradient and is
    skipped, so it does not dilute the token-mean of the step;
-5. otherwise it is buffered; once B groups are buffered a step is ready.
+6. otherwise it is buffered; once B groups are buffered a step is ready.
 
 A step is ``peek()``-ed, trained, checkpointed, and only then ``complete()``-d: the consumed set
 grows and the buffer empties only after the checkpoint exists, so a failed step can be
@@ -41,6 +44,7 @@ class Decision(str, enum.Enum):
     STALE = "stale"
     NO_SIGNAL = "no_signal"
     WRONG_RUN = "wrong_run"
+    RUN_COMPLETE = "run_complete"
 
 
 @dataclass
@@ -54,6 +58,7 @@ class StepAssembler:
     skip_zero_advantage: bool = True
     buffer: list[ScoredGroup] = field(default_factory=list)
     dropped_stale: int = 0  # since the last completed step
+    final_version: int | None = None  # the run's last step: no step beyond it (None: no limit)
     counts: dict[str, int] = field(default_factory=lambda: {d.value: 0 for d in Decision})
 
     def __post_init__(self) -> None:
@@ -84,14 +89,19 @@ class StepAssembler:
             return Decision.WRONG_RUN
         if group.group_id in self.consumed or any(g.group_id == group.group_id for g in self.buffer):
             return Decision.DUPLICATE
+        if self.complete_run():
+            return Decision.RUN_COMPLETE
         if group.min_policy_version < self.staleness_floor():
             return Decision.STALE
         if self.skip_zero_advantage and all(t.advantage == 0.0 for t in group.selected):
             return Decision.NO_SIGNAL
         return Decision.ACCEPTED
 
+    def complete_run(self) -> bool:
+        return self.final_version is not None and self.version >= self.final_version
+
     def ready(self) -> bool:
-        return len(self.buffer) >= self.groups_per_step
+        return len(self.buffer) >= self.groups_per_step and not self.complete_run()
 
     def peek(self) -> list[ScoredGroup]:
         """The next step's groups (the first B buffered), left in the buffer until complete()."""
@@ -107,9 +117,10 @@ class StepAssembler:
         new = self.step_stage(groups)
         return self.stage is not None and self.stage < OPTIMIZER_RESET_STAGE <= new
 
-    def complete(self, groups: list[ScoredGroup], new_version: int) -> list[str]:
+    def complete(self, groups: list[ScoredGroup], new_version: int) -> list[tuple[str, Decision]]:
         """The step on ``groups`` is checkpointed as ``new_version``: remember them, unbuffer them.
-        Returns the ids of buffered groups that the new version made stale (dropped)."""
+        Returns the buffered groups given up now, with why: the new version made them stale,
+        or it was the run's last."""
         ids = {g.group_id for g in groups}
         self.consumed |= ids
         self.buffer = [g for g in self.buffer if g.group_id not in ids]
@@ -117,16 +128,19 @@ class StepAssembler:
         self.version = new_version
         self.dropped_stale = 0
         # Buffered groups may have become stale under the new version.
-        keep, stale = [], []
+        keep, given_up = [], []
         for g in self.buffer:
-            if g.min_policy_version < self.staleness_floor():
+            if self.complete_run():
+                given_up.append((g.group_id, Decision.RUN_COMPLETE))
+            elif g.min_policy_version < self.staleness_floor():
                 self.dropped_stale += 1
-                self.counts[Decision.STALE.value] += 1
-                stale.append(g.group_id)
+                given_up.append((g.group_id, Decision.STALE))
             else:
                 keep.append(g)
+        for _, why in given_up:
+            self.counts[why.value] += 1
         self.buffer = keep
-        return stale
+        return given_up
 
     def discard(self, groups: list[ScoredGroup]) -> None:
         """Give up on these buffered groups without training (e.g. a non-finite gradient):

@@ -60,7 +60,8 @@ class StepOutcome:
     dropped_stale: int
     trained: bool = True  # False: the batch was given up (non-finite gradient)
     stats: GroupStats | None = None
-    stale_group_ids: list[str] = field(default_factory=list)  # buffered groups the new version made stale
+    # buffered groups given up after the step: (group id, reason: stale or run_complete)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def uri(self) -> str:
@@ -106,6 +107,7 @@ class EngineConfig:
     device: str = "auto"
     keep_last: int = 3
     skip_zero_advantage_groups: bool = True
+    max_steps: int = 0  # 0: no limit
 
     @classmethod
     def from_settings(cls, s: Any) -> "EngineConfig":
@@ -113,7 +115,8 @@ class EngineConfig:
             raise ValueError("learner needs model_dir (RSTAR_LEARNER_MODEL_DIR): the initial HF model directory")
         return cls(model_dir=Path(s.model_dir), checkpoint_dir=s.resolved_checkpoint_dir(), trainer=s.trainer_config(),
                    groups_per_step=s.groups_per_step, max_staleness=s.max_staleness, run_id=s.run_id,
-                   device=s.device, keep_last=s.keep_last, skip_zero_advantage_groups=s.skip_zero_advantage_groups)
+                   device=s.device, keep_last=s.keep_last, skip_zero_advantage_groups=s.skip_zero_advantage_groups,
+                   max_steps=s.max_steps)
 
 
 @dataclass
@@ -163,7 +166,7 @@ class LearnerEngine:
         self.assembler = StepAssembler(
             groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness, version=state.version,
             run_id=state.run_id or cfg.run_id, stage=state.stage, consumed=set(state.consumed),
-            skip_zero_advantage=cfg.skip_zero_advantage_groups,
+            skip_zero_advantage=cfg.skip_zero_advantage_groups, final_version=cfg.max_steps or None,
         )
         self._initial_sha: str | None = None
         self.poisoned = False  # set when in-memory weights are ahead of the last checkpoint
@@ -268,9 +271,9 @@ class LearnerEngine:
         metrics["checkpoint_seconds"] = time.perf_counter() - t1
         self.state = new
         self.resumed = True
-        stale = self.assembler.complete(groups, new.version)
+        skipped = self.assembler.complete(groups, new.version)
         removed = self.store.prune(self.cfg.keep_last)
         log.info("step_done", step=new.step, version=new.version, loss=metrics["loss"], tokens_per_s=round(metrics["tokens_per_s"]),
                  pruned=removed)
         return StepOutcome(new.version, new.step, stage, weights_dir, sha, [g.group_id for g in groups], metrics,
-                           optimizer_reset=reset, dropped_stale=dropped, stats=stats, stale_group_ids=stale)
+                           optimizer_reset=reset, dropped_stale=dropped, stats=stats, skipped=skipped)

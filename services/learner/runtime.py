@@ -229,7 +229,7 @@ class LearnerService(Service):
             if decision is not Decision.ACCEPTED:
                 log.info("group_skipped", decision=decision.value, min_version=group.min_policy_version,
                          version=self.engine.version)
-            if decision in (Decision.STALE, Decision.NO_SIGNAL):
+            if decision in (Decision.STALE, Decision.NO_SIGNAL, Decision.RUN_COMPLETE):
                 await self._until_done("record_skip", lambda: self._record_skipped(
                     group.run_id, [group.group_id], decision.value))
             if not self._announced_initial and self.engine.run_id:
@@ -317,8 +317,8 @@ class LearnerService(Service):
                 attempt += 1
 
     async def _record_skipped(self, run_id: str, group_ids: list[str], reason: str) -> None:
-        """Mark groups the learner gave up for good (stale, no signal): the orchestrator counts
-        them as dropped and admits replacements."""
+        """Mark groups the learner gave up for good (stale, no signal, past the run's last step):
+        the orchestrator counts them as dropped and admits replacements."""
         assert self.ctx is not None and self.ctx.sessions is not None
         async with self.ctx.sessions() as session:
             await session.execute(_skip(run_id, group_ids, reason))
@@ -339,8 +339,8 @@ class LearnerService(Service):
                     .where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id.in_(outcome.group_ids))
                     .values(trained_step=outcome.step)
                 )
-            if outcome.stale_group_ids:
-                await session.execute(_skip(run_id, outcome.stale_group_ids, Decision.STALE.value))
+            for why in {why for _, why in outcome.skipped}:
+                await session.execute(_skip(run_id, [gid for gid, w in outcome.skipped if w == why], why.value))
             await session.execute(
                 update(Run).where(Run.run_id == run_id)
                 .values(current_version=func.greatest(Run.current_version, outcome.version))

@@ -9,7 +9,7 @@ Admission (bounded staleness)
     ``live = dispatched − dropped`` groups that will be trained, the orchestrator admits a new
     task only while::
 
-        live < min(η + v + 1, S) · B      (S = the run's total learner steps)
+        live < min(η + v + 1, S + η) · B      (S = the run's total learner steps)
 
     Group number k (in admission order) is then admitted while the version is at least
     ``⌊k/B⌋ − η``, and is trained at step ``⌊k/B⌋``: its tokens are at most η versions older
@@ -68,15 +68,16 @@ class ProblemStats:
 
 
 def admission_budget(p: Progress, *, batch_groups: int, max_staleness: int, total_steps: int | None = None) -> int:
-    """How many new tasks may be dispatched now (never negative). With ``total_steps`` the run
-    never has more live groups than its last step trains: the learner steps whenever B groups
-    are waiting, so a group admitted past the end would make it take a step the run never
-    asked for."""
+    """How many new tasks may be dispatched now (never negative). With ``total_steps`` = S, at
+    most (S + η)·B groups are ever live: the staleness ceiling reaches that at the last step,
+    and nothing is admitted after it. The η·B beyond the last step's groups let the last steps
+    take whichever groups finish first instead of waiting for stragglers (groups finish out of
+    order); the learner stops at step S, so they are rolled out but not trained."""
     live = p.dispatched - p.dropped
-    ceiling = (max_staleness + p.version + 1) * batch_groups
+    ceiling = max_staleness + p.version + 1
     if total_steps is not None:
-        ceiling = min(ceiling, total_steps * batch_groups)
-    return max(0, ceiling - live)
+        ceiling = min(ceiling, total_steps + max_staleness)
+    return max(0, ceiling * batch_groups - live)
 
 
 def staleness_bound_holds(admitted_at_version: Sequence[int], *, batch_groups: int, max_staleness: int) -> bool:
@@ -120,10 +121,11 @@ def stage_position(steps_done: int, stage_steps: Sequence[int]) -> StagePosition
     return StagePosition(len(stage_steps), True)
 
 
-def stage_of_new_task(live: int, *, batch_groups: int, stage_steps: Sequence[int]) -> StagePosition:
-    """The stage of a task admitted when ``live`` groups are live: the stage of the step that
-    trains it (see "Curriculum")."""
-    return stage_position(live // batch_groups, stage_steps)
+def stage_of_new_task(live: int, *, batch_groups: int, stage_steps: Sequence[int]) -> int:
+    """Index of the stage of a task admitted when ``live`` groups are live: the stage of the
+    step that trains it (see "Curriculum"); the last stage for the groups beyond the last step."""
+    position = stage_position(live // batch_groups, stage_steps)
+    return min(position.index, len(stage_steps) - 1)
 
 
 def hard_problems(stats: Sequence[ProblemStats], all_ids: Sequence[str], *, min_attempts: int) -> list[str]:

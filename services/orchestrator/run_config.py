@@ -137,6 +137,7 @@ class RunConfig(_Strict):
                 "model_dir": self.model,
                 "groups_per_step": self.batch_groups,
                 "max_staleness": self.max_staleness,
+                "max_steps": self.total_steps,
                 "lr": self.lr,
                 "warmup_steps": self.warmup_steps,
             },

@@ -212,12 +212,12 @@ class OrchestratorService(Service):
         async with self.ctx.sessions() as session:
             for j in range(budget):
                 index = progress.dispatched + j
-                position = control.stage_of_new_task(live + j, batch_groups=cfg.batch_groups, stage_steps=stage_steps)
-                stage_cfg = cfg.stages[position.index]  # not finished: admission stops at the run's last step
-                if position.index not in stage_rows:
-                    stage_rows[position.index] = await self._enter_stage(
-                        session, run_id, cfg, position.index, index, progress.version, now)
-                stage_row = stage_rows[position.index]
+                stage_index = control.stage_of_new_task(live + j, batch_groups=cfg.batch_groups, stage_steps=stage_steps)
+                stage_cfg = cfg.stages[stage_index]
+                if stage_index not in stage_rows:
+                    stage_rows[stage_index] = await self._enter_stage(
+                        session, run_id, cfg, stage_index, index, progress.version, now)
+                stage_row = stage_rows[stage_index]
                 stage_ids = stage_row.config.get("problem_ids") or await self._problem_ids(run_id)
                 first = int(stage_row.config.get("first_task_index", 0))
                 pid = control.problem_at(index - first, stage_ids, cfg.seed * 1000 + stage_cfg.stage)

@@ -121,9 +121,8 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
         # A dropped group (no signal) frees its place at once.
         await _score(sessions, run_id, [first[0].task_id], dropped=True)
         await reader.read(5)
-        # Two groups trained -> version 1 -> budget (1+1+1)·2 = 6 live, which is all the run's
-        # 3 steps will train. The last two are trained at step 3, in stage 3: they are stage-3
-        # tasks, sent before the learner gets there.
+        # Two groups trained -> version 1 -> budget (1+1+1)·2 = 6 live. The last two are trained
+        # at step 3, in stage 3: they are stage-3 tasks, sent before the learner gets there.
         await _score(sessions, run_id, [t.task_id for t in first[1:3]])
         await _learner_step(sessions, run_id, 1)
         tasks = await reader.read(7)
@@ -152,14 +151,15 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
             row = (await s.execute(select(RolloutTaskRow).where(RolloutTaskRow.task_id == victim))).scalar_one()
             assert row.attempts == 2 and row.status == "leased"
 
-        # Step 2: nothing new (the run's 6 groups are all live), and the run is in stage 3 now.
+        # Step 2 -> budget (1+2+1)·2 = 8 live = (S + η)·B, the most a 3-step run ever has: two
+        # groups beyond the last step's (the learner trains whichever finish first), in the last stage.
         await _learner_step(sessions, run_id, 2)
-
-        async def training_stage_3():
-            async with sessions() as s:
-                return (await s.execute(select(Run.current_stage).where(Run.run_id == run_id))).scalar_one() == 3
-        await _wait(training_stage_3)
+        n_before = len(reader.tasks)
+        extra = (await reader.read(n_before + 2))[n_before:]
+        assert [t.stage for t in extra] == [3, 3] and all(t.min_policy_version == 2 for t in extra)
         assert await reader.quiet(1.0) == 0
+        async with sessions() as s:
+            assert (await s.execute(select(Run.current_stage).where(Run.run_id == run_id))).scalar_one() == 3
 
         # The learner gives a scored group up (stale under the newer version): it is recorded at
         # once, and its place goes to a replacement (a stage-3 task: the run's last step trains it).

@@ -114,8 +114,19 @@ def test_assembler_drops_stale_and_skips_no_signal_and_other_runs():
     groups = a.peek()
     a.offer(scored_group("later", version=4))
     # "later" (from version 4) became stale when the version moved to 6 with η = 1
-    assert a.complete(groups, 6) == ["later"]
+    assert a.complete(groups, 6) == [("later", Decision.STALE)]
     assert a.buffer == [] and a.dropped_stale == 1 and a.consumed == {"ok", "ok2"}
+
+
+def test_assembler_trains_nothing_past_the_runs_last_step():
+    a = StepAssembler(groups_per_step=1, max_staleness=2, version=1, run_id="run-a", final_version=2)
+    assert a.offer(scored_group("last", version=1)) is Decision.ACCEPTED
+    assert a.offer(scored_group("extra", version=1)) is Decision.ACCEPTED
+    assert a.ready()
+    assert a.complete(a.peek(), 2) == [("extra", Decision.RUN_COMPLETE)]
+    assert not a.ready() and a.buffer == []
+    assert a.offer(scored_group("late", version=2)) is Decision.RUN_COMPLETE
+    assert not a.ready()
 
 
 def test_a_failed_checkpoint_write_poisons_the_engine_and_restart_resumes(tmp_path, monkeypatch):

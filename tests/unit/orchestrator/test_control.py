@@ -24,13 +24,15 @@ def test_admission_budget_formula():
     assert control.admission_budget(Progress(0, 0, 50, 0), batch_groups=4, max_staleness=0) == 0  # never negative
 
 
-def test_admission_stops_at_the_groups_of_the_last_step():
-    # 3 steps of B=2: at version 2 with η=1 the staleness ceiling would allow 8 live groups,
-    # but only 6 will ever be trained; a 7th would make the learner take a 4th step.
-    assert control.admission_budget(Progress(2, 2, 6, 0), batch_groups=2, max_staleness=1) == 2
-    assert control.admission_budget(Progress(2, 2, 6, 0), batch_groups=2, max_staleness=1, total_steps=3) == 0
+def test_admission_stops_eta_steps_of_groups_past_the_last_step():
+    # 3 steps of B=2, η=1: at most (3 + 1)·2 = 8 groups are ever live, whatever the version.
+    assert control.admission_budget(Progress(2, 2, 6, 0), batch_groups=2, max_staleness=1, total_steps=3) == 2
+    assert control.admission_budget(Progress(3, 3, 8, 0), batch_groups=2, max_staleness=1) == 2
+    assert control.admission_budget(Progress(3, 3, 8, 0), batch_groups=2, max_staleness=1, total_steps=3) == 0
     # a dropped group is replaced even at the end
-    assert control.admission_budget(Progress(2, 2, 6, 1), batch_groups=2, max_staleness=1, total_steps=3) == 1
+    assert control.admission_budget(Progress(3, 3, 8, 1), batch_groups=2, max_staleness=1, total_steps=3) == 1
+    # synchronous: exactly the run's groups
+    assert control.admission_budget(Progress(3, 3, 6, 0), batch_groups=2, max_staleness=0, total_steps=3) == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -60,18 +62,17 @@ def test_simulated_run_never_exceeds_staleness(batch, eta, total_steps, events):
                 dropped += 1
             else:
                 ready.append(v)
-        while len(ready) >= batch:
+        while len(ready) >= batch and version < total_steps:  # the learner stops at the last step
             step_groups, ready = ready[:batch], ready[batch:]
             assert all(version - v <= eta for v in step_groups), (version, step_groups)
             version += 1
-            assert version <= total_steps
+        assert dispatched - dropped <= (total_steps + eta) * batch
 
 
 def test_a_new_task_belongs_to_the_stage_of_the_step_that_trains_it():
     stages = [2, 1]  # stage A: steps 0-1, stage B: step 2
-    got = [control.stage_of_new_task(live, batch_groups=2, stage_steps=stages) for live in range(7)]
-    assert [p.index for p in got] == [0, 0, 0, 0, 1, 1, 2]
-    assert [p.finished for p in got] == [False] * 6 + [True]
+    got = [control.stage_of_new_task(live, batch_groups=2, stage_steps=stages) for live in range(8)]
+    assert got == [0, 0, 0, 0, 1, 1, 1, 1]  # the groups beyond the last step: the last stage
 
 
 def test_staleness_bound_checker():
