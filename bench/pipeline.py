@@ -12,6 +12,14 @@ engine and the learner sat idle:
 With η = 0 the orchestrator admits a step's B groups only once the previous version exists, so
 rollout and learner take turns; with η > 0 rollouts for the next steps overlap training.
 
+Overlap only pays when rollout and learner do not compete for the same compute (on a cluster
+they run on different devices). By default the rollout is pinned to half of the machine's cores
+and the learner to the other half (``--no-split-cores``: both share every core, and on a
+2-core machine the two runs then take about as long: the work is CPU-bound either way). The
+first steps of the asynchronous run start later (its first admission is (η + 1)·B groups,
+which share the engine), so short runs understate the steady-state gain; the default is 20
+steps. Per-run output also has when each step was recorded.
+
 By default the policy is a tiny random model (fast to create; rewards are 0, so the run keeps
 all-equal groups — the compute per step is the same as with signal). ``--model DIR`` uses a
 real one (e.g. the bootstrapped SFT model). Last line: one JSON object with ``sync_s``,
@@ -102,6 +110,34 @@ async def _wait(sessions, run_id: str, timeout: float) -> None:
     raise TimeoutError(f"run {run_id} did not finish in {timeout} s")
 
 
+async def _timeline(sessions, run_id: str, t0: float) -> dict:
+    """When the first group was scored and each step was recorded (seconds after ``t0``, the
+    epoch time the measurement started) and what happened to the groups: how many were
+    scored, trained, skipped by the learner."""
+    from sqlalchemy import func, select
+
+    from shared.db.models import LearnerStep, TrajectoryGroupRow
+
+    async with sessions() as s:
+        first = (await s.execute(select(func.min(TrajectoryGroupRow.scored_at)).where(
+            TrajectoryGroupRow.run_id == run_id))).scalar_one()
+        steps = (await s.execute(select(LearnerStep.created_at).where(LearnerStep.run_id == run_id)
+                                 .order_by(LearnerStep.step))).scalars().all()
+        groups = (await s.execute(select(
+            func.count(), func.count(TrajectoryGroupRow.trained_step),
+            func.count(TrajectoryGroupRow.learner_skipped)).where(TrajectoryGroupRow.run_id == run_id))).one()
+    return {"first_scored_at_s": round(first.timestamp() - t0, 1),
+            "step_at_s": [round(t.timestamp() - t0, 1) for t in steps],
+            "groups_scored": groups[0], "groups_trained": groups[1], "groups_skipped_by_learner": groups[2]}
+
+
+def split_cores(n_cores: int) -> dict[str, set[int]]:
+    """Rollout on the first half of the cores, learner on the second half (the light services
+    float): two devices, as on a cluster, instead of two services fighting over the same cores."""
+    half = max(1, n_cores // 2)
+    return {"rollout": set(range(half)), "learner": set(range(half, n_cores))}
+
+
 def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) -> dict:
     cfg = RunConfig.model_validate(dict(
         name=f"bench-eta{eta}", model=model, dataset={"kind": "generated", "n_train": 500, "n_eval": 5, "seed": 0},
@@ -112,7 +148,13 @@ def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) ->
            "RSTAR_TOPIC_PREFIX": f"bench{eta}-{run_id}.", "VLLM_CPU_KVCACHE_SPACE": "1"}
     # Tasks dispatched before the rollout is up wait in the topic; timing starts once every
     # service is ready.
-    cluster = cluster_for_run(state, cfg, run_id, env=env, overrides=RANDOM_POLICY_OVERRIDES, port_offset=port_offset)
+    overrides = {k: dict(v) for k, v in RANDOM_POLICY_OVERRIDES.items()}
+    affinity = {}
+    if args.split_cores:
+        affinity = split_cores(len(os.sched_getaffinity(0)))
+        overrides.setdefault("learner", {})["torch_threads"] = len(affinity["learner"])
+    cluster = cluster_for_run(state, cfg, run_id, env=env, overrides=overrides, port_offset=port_offset,
+                              cpu_affinity=affinity)
     cluster.start()
     try:
         print(f"eta={eta}: starting services...", file=sys.stderr)
@@ -120,29 +162,33 @@ def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) ->
         sampler = Sampler(port_offset)
         learner_before = sampler.learner_step_seconds()
         sampler.start()
-        t0 = time.monotonic()
+        t0, t0_epoch = time.monotonic(), time.time()
         asyncio.run(_with_sessions(info.database_url, lambda sessions: _wait(sessions, run_id, args.timeout)))
         wall = time.monotonic() - t0
         sampler.stop_flag.set()
         sampler.join()
         learner_busy = sampler.learner_step_seconds() - learner_before
+        timeline = asyncio.run(_with_sessions(info.database_url, lambda sessions: _timeline(sessions, run_id, t0_epoch)))
     finally:
         cluster.stop()
     out = {"wall_s": round(wall, 1), "rollout_idle": round(1 - sampler.rollout_busy / max(1, sampler.samples), 3),
-           "learner_idle": round(max(0.0, 1 - learner_busy / wall), 3)}
+           "learner_idle": round(max(0.0, 1 - learner_busy / wall), 3), **timeline}
     print(f"eta={eta}: {out}", file=sys.stderr)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-groups", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--eta", type=int, default=2, help="staleness bound of the asynchronous run")
     ap.add_argument("--model", default=None, help="model dir (default: a tiny random model)")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--split-cores", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin the rollout to half of the cores and the learner to the other half (default; "
+                    "--no-split-cores lets them share every core)")
     args = ap.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="rstar-bench-pipeline-"))
@@ -165,7 +211,7 @@ def main() -> None:
         "sync_s": sync["wall_s"], "async_s": asyn["wall_s"], "async_speedup": round(sync["wall_s"] / asyn["wall_s"], 2),
         "sync_rollout_idle": sync["rollout_idle"], "sync_learner_idle": sync["learner_idle"],
         "async_rollout_idle": asyn["rollout_idle"], "async_learner_idle": asyn["learner_idle"],
-        "steps": args.steps, "eta": args.eta,
+        "steps": args.steps, "eta": args.eta, "split_cores": args.split_cores,
     }))
 
 

@@ -58,6 +58,9 @@ class LocalCluster:
     env: dict[str, str] = field(default_factory=dict)
     name: str = "cluster"  # several clusters can share a state dir (the demo starts tools first)
     port_offset: int = 0  # added to every default port (tests run clusters beside other ones)
+    # service -> CPU cores it (and every process it starts) may run on; unlisted: any core.
+    # Gives services disjoint compute on one machine, as separate devices would on a cluster.
+    cpu_affinity: dict[str, set[int]] = field(default_factory=dict)
     managed: dict[str, Managed] = field(default_factory=dict)
 
     @property
@@ -71,8 +74,10 @@ class LocalCluster:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         with open(m.log, "ab") as log:
             log.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
+            cores = self.cpu_affinity.get(m.name)
             m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, start_new_session=True)
+                                      env=env, start_new_session=True,
+                                      preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
 
     def _save(self) -> None:
         self.record.write_bytes(orjson.dumps({n: m.proc.pid for n, m in self.managed.items() if m.proc}))
@@ -152,7 +157,8 @@ RANDOM_POLICY_OVERRIDES: dict[str, dict] = {
 
 def cluster_for_run(state_dir: Path, run_cfg, run_id: str, *, services: tuple[str, ...] = SERVICE_ORDER,
                     overrides: dict[str, dict] | None = None, env: dict[str, str] | None = None,
-                    port_offset: int = 0, name: str = "cluster") -> LocalCluster:
+                    port_offset: int = 0, name: str = "cluster",
+                    cpu_affinity: dict[str, set[int]] | None = None) -> LocalCluster:
     """A cluster whose services follow ``run_cfg``: the reward keeps G, the learner steps on B
     groups with η, trains ``run_id`` only into a checkpoint dir of its own, and the rollout
     serves the run's model and versions and calls this cluster's tool-executor."""
@@ -162,7 +168,8 @@ def cluster_for_run(state_dir: Path, run_cfg, run_id: str, *, services: tuple[st
     for section, values in (overrides or {}).items():
         sections.setdefault(section, {}).update(values)
     system = write_system_config(state_dir / "runs" / run_id / "system.yaml", sections)
-    return LocalCluster(state_dir, system, services=services, env=dict(env or {}), name=name, port_offset=port_offset)
+    return LocalCluster(state_dir, system, services=services, env=dict(env or {}), name=name, port_offset=port_offset,
+                        cpu_affinity=dict(cpu_affinity or {}))
 
 
 def stop_recorded(state_dir: Path) -> list[str]:
