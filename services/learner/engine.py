@@ -276,4 +276,5 @@ class LearnerEngine:
         log.info("step_done", step=new.step, version=new.version, loss=metrics["loss"], tokens_per_s=round(metrics["tokens_per_s"]),
                  pruned=removed)
         return StepOutcome(new.version, new.step, stage, weights_dir, sha, [g.group_id for g in groups], metrics,
-                           optimizer_reset=reset, dropped_stale=dropped, stats=stats, skipped=skipped)
+                           optimizer_reset=reset, dropped_stale=dropped, stats=stats,
+                           skipped=[(gid, why.value) for gid, why in skipped])

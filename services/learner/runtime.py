@@ -340,7 +340,7 @@ class LearnerService(Service):
                     .values(trained_step=outcome.step)
                 )
             for why in {why for _, why in outcome.skipped}:
-                await session.execute(_skip(run_id, [gid for gid, w in outcome.skipped if w == why], why.value))
+                await session.execute(_skip(run_id, [gid for gid, w in outcome.skipped if w == why], why))
             await session.execute(
                 update(Run).where(Run.run_id == run_id)
                 .values(current_version=func.greatest(Run.current_version, outcome.version))

@@ -31,9 +31,10 @@ Curriculum
     and is trained at step ``⌊live/B⌋`` (up to groups dropped on the way). So with η > 0 the
     first tasks of a stage are sent up to η steps before the learner reaches it, with that
     stage's settings, and the learner's stage-3 optimizer reset falls on the first step whose
-    groups are stage-3 groups. Entering a stage that feeds only hard problems filters the problem set: a problem is
-    dropped when its most recent scored group solved it every time, over at least
-    ``solved_min_attempts`` attempts (the paper: "solved 8/8"); unseen problems stay.
+    groups are stage-3 groups. Entering a stage that feeds only hard problems filters the
+    problem set: a problem is dropped when its most recent scored group solved it every time,
+    over at least ``solved_min_attempts`` attempts (the paper: "solved 8/8"); unseen problems
+    stay.
 """
 
 from __future__ import annotations

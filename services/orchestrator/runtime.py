@@ -62,7 +62,7 @@ async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:
     given_up = (await session.execute(select(func.count()).select_from(RolloutTaskRow).where(
         RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "failed"))).scalar_one()
     # A group is dropped when the reward does not publish it (no signal) or the learner gives
-    # it up (stale, no signal: ``learner_skipped``, recorded the moment it happens).
+    # it up (stale, no signal, past the last step: ``learner_skipped``, recorded at once).
     skipped = (TrajectoryGroupRow.learner_skipped.is_not(None)) & (TrajectoryGroupRow.status != "dropped")
     groups = (await session.execute(select(
         func.count(), func.count().filter(TrajectoryGroupRow.status == "dropped"),
