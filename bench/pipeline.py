@@ -131,11 +131,15 @@ async def _timeline(sessions, run_id: str, t0: float) -> dict:
             "groups_scored": groups[0], "groups_trained": groups[1], "groups_skipped_by_learner": groups[2]}
 
 
-def split_cores(n_cores: int) -> dict[str, set[int]]:
-    """Rollout on the first half of the cores, learner on the second half (the light services
-    float): two devices, as on a cluster, instead of two services fighting over the same cores."""
-    half = max(1, n_cores // 2)
-    return {"rollout": set(range(half)), "learner": set(range(half, n_cores))}
+def split_cores(cores: set[int]) -> dict[str, set[int]]:
+    """Rollout on the first half of the cores this process may use, learner on the second half
+    (the light services float): two devices, as on a cluster, instead of two services fighting
+    over the same cores. With one core there is nothing to split."""
+    ordered = sorted(cores)
+    if len(ordered) < 2:
+        return {}
+    half = len(ordered) // 2
+    return {"rollout": set(ordered[:half]), "learner": set(ordered[half:])}
 
 
 def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) -> dict:
@@ -151,7 +155,8 @@ def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) ->
     overrides = {k: dict(v) for k, v in RANDOM_POLICY_OVERRIDES.items()}
     affinity = {}
     if args.split_cores:
-        affinity = split_cores(len(os.sched_getaffinity(0)))
+        affinity = split_cores(os.sched_getaffinity(0))
+    if affinity:
         overrides.setdefault("learner", {})["torch_threads"] = len(affinity["learner"])
     cluster = cluster_for_run(state, cfg, run_id, env=env, overrides=overrides, port_offset=port_offset,
                               cpu_affinity=affinity)
