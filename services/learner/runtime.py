@@ -40,6 +40,7 @@ from fastapi import APIRouter
 from prometheus_client import Counter, Gauge, Histogram
 from sqlalchemy import func, update
 from structlog.contextvars import bound_contextvars
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from services.learner.assembly import Decision
 from services.learner.config import Settings
@@ -300,21 +301,18 @@ class LearnerService(Service):
 
     async def _until_done(self, what: str, op, **log_fields) -> None:
         """Run ``op`` until it succeeds (transient or not: what it records must not be
-        forgotten), backing off; only a stop request ends the retries."""
-        attempt = 0
-        while True:
-            try:
+        forgotten), backing off 0.2 s doubling to BACKOFF_MAX_S; only a stop request (or a
+        cancellation, which is no Exception) ends the retries."""
+        def log_retry(state: RetryCallState) -> None:
+            log.warning(f"{what}_failed", error=repr(state.outcome.exception()),
+                        retry_in_s=state.next_action.sleep, **log_fields)
+
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(lambda exc: isinstance(exc, Exception) and not self._stop.is_set()),
+            wait=wait_exponential(multiplier=0.2, max=BACKOFF_MAX_S), before_sleep=log_retry, reraise=True,
+        ):
+            with attempt:
                 await op()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                if self._stop.is_set():
-                    raise
-                delay = min(BACKOFF_MAX_S, 0.2 * 2**attempt)
-                log.warning(f"{what}_failed", error=repr(exc), retry_in_s=delay, **log_fields)
-                await asyncio.sleep(delay)
-                attempt += 1
 
     async def _record_skipped(self, run_id: str, group_ids: list[str], reason: str) -> None:
         """Mark groups the learner gave up for good (stale, no signal, past the run's last step):

@@ -123,7 +123,8 @@ class TrajectoryGroupRow(Base):
     # Set by the learner in the transaction that records the step that trained on the group.
     trained_step: Mapped[int | None] = mapped_column(Integer)
     # Set by the learner when it gives a published group up for good ("stale": past the
-    # staleness bound; "no_signal": all advantages 0), at once, so that the orchestrator can
+    # staleness bound; "no_signal": all advantages 0; "run_complete": past the run's last
+    # step), at once, so that the orchestrator can
     # admit a replacement without waiting for a step that may need that replacement.
     learner_skipped: Mapped[str | None] = mapped_column(String(32))
 
