@@ -32,12 +32,18 @@ class Settings(ServiceSettings):
     lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up steps (restarted on an optimizer reset)")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW ε (the denominator's floor: a larger ε damps the full-size "
+                            "steps a fresh optimizer takes on parameters whose gradients are tiny)")
     clip_eps_low: float = Field(DEFAULT_CLIP_EPS_LOW, ge=0, lt=1, description="PPO clip ε_low (ratio ≥ 1 − ε_low)")
     clip_eps_high: float = Field(DEFAULT_CLIP_EPS_HIGH, ge=0, description="PPO clip ε_high (clip-higher: ratio ≤ 1 + ε_high)")
     objective: Literal["decoupled", "tis"] = Field(
         "decoupled", description="off-policy correction: decoupled PPO (proximal policy) or plain truncated IS"
     )
     is_cap: float = Field(DEFAULT_IS_CAP, gt=0, description="truncation of the behaviour importance weight")
+    negative_advantage_scale: float = Field(
+        1.0, ge=0, le=1, description="multiplies negative advantages in the loss (1: the paper's GRPO; < 1 damps the "
+        "push-down of failed samples, see services/learner/loss.py)"
+    )
     updates_per_step: int = Field(1, ge=1, description="optimizer updates (mini-batches) per step")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (gradient accumulation)")
     row_tokens: int = Field(0, ge=0, description="pack into rows of this many tokens (0: as long as the step's longest sequence)")
@@ -64,6 +70,7 @@ class Settings(ServiceSettings):
             lr=self.lr,
             warmup_steps=self.warmup_steps,
             weight_decay=self.weight_decay,
+            eps=self.adam_eps,
             grad_clip=self.grad_clip,
             micro_batch_tokens=self.micro_batch_tokens,
             row_tokens=self.row_tokens,
@@ -75,5 +82,6 @@ class Settings(ServiceSettings):
                 clip_eps_high=self.clip_eps_high,
                 objective=self.objective,
                 is_cap=self.is_cap,
+                negative_advantage_scale=self.negative_advantage_scale,
             ),
         )

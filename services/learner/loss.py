@@ -35,6 +35,21 @@ Clip-higher (DAPO): the upper clip bound ε_high (0.28) is wider than the lower 
 low-probability tokens with positive advantage can grow more per update, which keeps entropy
 from collapsing. No KL penalty and no entropy bonus (rStar2-Agent, following DAPO).
 
+Negative-advantage scale (``negative_advantage_scale``, default 1 = the paper's symmetric
+GRPO): tokens of trajectories with A < 0 use ``s·A`` instead of ``A``. The update of a policy
+gradient step is the sum of two parts, raising the rewarded samples ("positive sample
+reinforcement") and lowering the unrewarded ones ("negative sample reinforcement"; Zhu et al.
+2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"). With Adam,
+the first part is small for a policy that already gives its correct samples high probability,
+while pushing down a failed sample's improbable tokens is cheap and large, and shares
+parameters with everything else. For a small policy this imbalance can dominate:
+``bench/policy_update.py`` measures a 2M-parameter model whose pass rate on the trained batch's
+problems falls after four steps with s = 1 and rises with s = 0 (docs/learner.md), and
+``make demo``'s held-out pass@1 behaves alike over 40 steps (docs/orchestrator.md). Arnal et al.
+2025 ("Asymmetric REINFORCE", arXiv 2506.20520) find the same for off-policy updates: a
+baseline that weighs failures less is the stable one. s < 1 keeps the group-relative baseline
+and only damps the push-down.
+
 Token-mean: the loss of a step is Σ_t ℓ_t over every unmasked token of the *whole batch*
 divided by the number of unmasked tokens of the whole batch — long responses weigh by their
 token count, not 1/length per sequence. With gradient accumulation, each micro-batch passes
@@ -69,6 +84,7 @@ class LossConfig:
     clip_eps_high: float = DEFAULT_CLIP_EPS_HIGH
     objective: Objective = "decoupled"
     is_cap: float = DEFAULT_IS_CAP
+    negative_advantage_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_eps_low < 1.0:
@@ -79,6 +95,8 @@ class LossConfig:
             raise ValueError(f"objective must be 'decoupled' or 'tis', got {self.objective!r}")
         if self.is_cap <= 0.0:
             raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
+        if not 0.0 <= self.negative_advantage_scale <= 1.0:
+            raise ValueError(f"negative_advantage_scale must be in [0, 1], got {self.negative_advantage_scale}")
 
     @property
     def needs_proximal(self) -> bool:
@@ -155,6 +173,8 @@ def policy_loss(
     logp32 = logp.float()
     behav = logp_behav.float()
     adv = advantages.float()
+    if config.negative_advantage_scale != 1.0:
+        adv = torch.where(adv < 0, adv * config.negative_advantage_scale, adv)
 
     with torch.no_grad():
         log_rho = logp32.detach() - behav  # log π_θ/μ

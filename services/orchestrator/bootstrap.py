@@ -214,10 +214,11 @@ def extract_int_answer(text: str) -> str | None:
     return canonical_integer(found.text) if found is not None and found.source == "answer_tag" else None
 
 
-def evaluate_greedy(model, tokenizer, problems: list[data.Problem], *, max_tokens: int = 320,
-                    max_turns: int = 4) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Greedy evaluation with HF ``generate`` (one problem at a time), driven by the rollout's
-    agent state machine so turns, tool calls and budgets follow the RL rollouts exactly."""
+def hf_agent_rollout(model, tokenizer, problem: data.Problem, *, sample: bool = False, max_tokens: int = 320,
+                     max_turns: int = 4):
+    """One trajectory of ``problem`` with HF ``generate`` (greedy, or sampled at T = 1 with no
+    top-k/top-p), driven by the rollout's agent state machine so turns, tool calls and budgets
+    follow the RL rollouts exactly; model-written code runs in :func:`run_model_code`."""
     import asyncio
     import time
 
@@ -230,11 +231,12 @@ def evaluate_greedy(model, tokenizer, problems: list[data.Problem], *, max_token
                          tool_call_end_id=tokenizer.convert_tokens_to_ids(cf.TOOL_CALL_END),
                          eos_id=tokenizer.convert_tokens_to_ids(cf.IM_END))
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
     model.eval()
 
     async def generate(req: GenerateRequest) -> Generation:
         with torch.no_grad():
-            out = model.generate(torch.tensor([req.token_ids]), max_new_tokens=req.max_new_tokens, do_sample=False,
+            out = model.generate(torch.tensor([req.token_ids]), max_new_tokens=req.max_new_tokens, **sampling,
                                  eos_token_id=config.stop_token_ids, pad_token_id=tokenizer.pad_token_id,
                                  use_cache=True)
         new = out[0, len(req.token_ids):].tolist()
@@ -245,10 +247,16 @@ def evaluate_greedy(model, tokenizer, problems: list[data.Problem], *, max_token
         ok, output = run_model_code(code)
         return ToolOutcome("ok" if ok else "error", output, (time.monotonic() - t0) * 1000)
 
+    loop = AgentLoop(problem.problem_id, encode(cf.render_prompt(problem.prompt)), config, encode, tokenizer.decode)
+    return asyncio.run(run_agent(loop, generate, run_tool))
+
+
+def evaluate_greedy(model, tokenizer, problems: list[data.Problem], *, max_tokens: int = 320,
+                    max_turns: int = 4) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Greedy evaluation with HF ``generate`` (one problem at a time, :func:`hf_agent_rollout`)."""
     results, samples = [], []
     for problem in problems:
-        loop = AgentLoop(problem.problem_id, encode(cf.render_prompt(problem.prompt)), config, encode, tokenizer.decode)
-        traj = asyncio.run(run_agent(loop, generate, run_tool))
+        traj = hf_agent_rollout(model, tokenizer, problem, max_tokens=max_tokens, max_turns=max_turns)
         text = traj.response_text
         predicted = extract_int_answer(text)
         calls = len(traj.tool_calls)

@@ -37,6 +37,26 @@ def test_decoupled_loss_clips_both_sides_truncates_weights_and_token_means():
     assert stats.means()["is_weight_mean"] == pytest.approx((1 + 3 + 0.5 + 1) / 4, rel=1e-5)
 
 
+@pytest.mark.parametrize("objective", ["decoupled", "tis"])
+def test_negative_advantage_scale_damps_only_the_tokens_of_failed_samples(objective):
+    logp, prox, behav, adv, mask = _example()
+    full, _ = policy_loss(logp, prox, behav, adv, mask, config=LossConfig(objective=objective))
+    (g_full,) = torch.autograd.grad(full, logp)
+    for scale in (0.0, 0.25):
+        damped, _ = policy_loss(logp, prox, behav, adv, mask,
+                                config=LossConfig(objective=objective, negative_advantage_scale=scale))
+        (g,) = torch.autograd.grad(damped, logp)
+        negative = adv < 0
+        assert g[negative].tolist() == pytest.approx((g_full[negative] * scale).tolist(), abs=1e-7)
+        assert g[~negative].tolist() == pytest.approx(g_full[~negative].tolist(), abs=1e-7)
+
+
+@pytest.mark.parametrize("scale", [-0.1, 1.5])
+def test_negative_advantage_scale_outside_zero_one_is_refused(scale):
+    with pytest.raises(ValueError, match="negative_advantage_scale"):
+        LossConfig(negative_advantage_scale=scale)
+
+
 def test_token_mean_uses_the_step_denominator_across_micro_batches():
     logp, prox, behav, adv, mask = _example()
     full, _ = policy_loss(logp, prox, behav, adv, mask, config=LossConfig())

@@ -148,3 +148,14 @@ def test_sft_step_reduces_nll():
     for _ in range(10):
         last = trainer.sft_step(seqs)["loss"]
     assert last < first - 0.5
+
+
+def test_recipe_settings_reach_the_optimizer_and_the_loss():
+    from services.learner.config import Settings
+
+    cfg = Settings(lr=2e-4, adam_eps=1e-4, negative_advantage_scale=0.0).trainer_config()
+    assert cfg.eps == 1e-4 and cfg.loss.negative_advantage_scale == 0.0
+    trainer = PolicyTrainer(tiny_llama(), cfg)
+    assert trainer.optimizer.param_groups[0]["eps"] == 1e-4
+    defaults = Settings().trainer_config()
+    assert defaults.eps == 1e-8 and defaults.loss.negative_advantage_scale == 1.0  # the paper's recipe
