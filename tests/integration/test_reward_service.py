@@ -277,10 +277,13 @@ async def test_replay_rescores_into_a_new_run_and_leaves_the_original_alone(stac
     analysis = topic_prefix + "analysis.grpo"
     first_in_partition = sum(1 for m in metas[:3] if m.offset == 0)  # end_offset=1 reads offset 0 only
     only = await rescore(settings, from_run=run_a, to_topic=analysis, roc_mode="grpo", end_offset=1)
-    assert only["matched"] == first_in_partition and only["published"] == first_in_partition
+    # grpo keeps a uniform 4 of the 8 (seeded by the random group id): 2 in 70 such samples are
+    # all correct or all wrong, and an all-equal group is dropped, not published
+    assert only["matched"] == first_in_partition
+    assert only["published"] + only["dropped_all_equal"] == first_in_partition
     stream = [decode(r.value, ScoredGroup).payload for r in
-              await read_topic(stack.kafka_bootstrap, analysis, expect=first_in_partition)]
-    assert len(stream) == first_in_partition and all(g.run_id == run_a and g.roc_mode == "grpo" for g in stream)
+              await read_topic(stack.kafka_bootstrap, analysis, expect=only["published"])]
+    assert len(stream) == only["published"] and all(g.run_id == run_a and g.roc_mode == "grpo" for g in stream)
     # the live scored topic got nothing from the analysis replay
     assert len(await read_topic(stack.kafka_bootstrap, topic_prefix + topics.SCORED.name, expect=3)) == 3
 
