@@ -20,13 +20,15 @@ held-out problems is what ``make demo`` measures. The sampling and the re-sampli
 (96 samples: ±5 points); run with another ``--seed`` before trusting a difference.
 
 Last line: one JSON object, ``{"pass_before": …, "variants": {VARIANT: {"dlogp_pos", "dlogp_neg",
-"pass_after"}}}``. Default model: the demo's cached SFT model under ``.rstar/models``.
+"pass_after"}}}``. Default model: the demo's SFT model under ``.rstar/models`` (bootstrapped and
+cached first, ~15 minutes, when it is not there yet).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,15 +38,20 @@ sys.path.insert(0, str(REPO))
 
 
 def _default_model() -> Path:
-    found = sorted((REPO / ".rstar" / "models").glob("tiny-sft-*"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise SystemExit("no bootstrapped model under .rstar/models: run `make demo` (or pass --model)")
-    return found[-1]
+    """The demo's SFT model: the cached one, or bootstrapped (and cached) now as `make demo` does."""
+    from services.orchestrator.bootstrap import bootstrap_tiny_model
+    from services.orchestrator.demo import BOOTSTRAP_MINUTES
+    from shared.settings import DEFAULT_STATE_DIR
+
+    state_dir = Path(os.environ.get("RSTAR_STATE_DIR", DEFAULT_STATE_DIR)).resolve()
+    return bootstrap_tiny_model(state_dir / "models", minutes=BOOTSTRAP_MINUTES, seed=0,
+                                log=lambda r: print(f"bootstrap: sft step {int(r['step'])} loss {r['loss']:.3f}",
+                                                    flush=True) if int(r["step"]) % 100 == 0 else None)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="HF model directory (default: the demo's SFT model)")
+    ap.add_argument("--model", type=Path, default=None, help="HF model directory (default: the demo's SFT model, bootstrapped if missing)")
     ap.add_argument("--problems", type=int, default=12)
     ap.add_argument("--samples", type=int, default=8, help="samples per problem (the group size)")
     ap.add_argument("--steps", type=int, default=4, help="learner steps on the batch per variant")
