@@ -28,25 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def _default_model() -> Path:
-    """The demo's SFT model: the cached one, or bootstrapped (and cached) now as `make demo` does."""
-    from services.orchestrator.bootstrap import bootstrap_tiny_model
-    from services.orchestrator.demo import BOOTSTRAP_MINUTES
-    from shared.settings import DEFAULT_STATE_DIR
-
-    state_dir = Path(os.environ.get("RSTAR_STATE_DIR", DEFAULT_STATE_DIR)).resolve()
-    return bootstrap_tiny_model(state_dir / "models", minutes=BOOTSTRAP_MINUTES, seed=0,
-                                log=lambda r: print(f"bootstrap: sft step {int(r['step'])} loss {r['loss']:.3f}",
-                                                    flush=True) if int(r["step"]) % 100 == 0 else None)
 
 
 def main() -> None:
@@ -69,18 +56,22 @@ def main() -> None:
     from services.learner.trainer import PolicyTrainer, TrainerConfig, load_model
     from services.orchestrator import data
     from services.orchestrator.bootstrap import extract_int_answer, hf_agent_rollout
+    from services.orchestrator.demo import bootstrap_demo_model, demo_state_dir
     from services.reward.roc import advantages
     from shared.tiny_model import load_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model_dir = args.model or _default_model()
+    model_dir = args.model or bootstrap_demo_model(demo_state_dir())
     tokenizer = load_tokenizer(model_dir)
     problems = data.make_splits(args.problems, 1, seed=args.seed)[0][: args.problems]
 
+    def sample_group(model, p) -> tuple[list, list[float]]:
+        trajs = [hf_agent_rollout(model, tokenizer, p, sample=True, max_tokens=512) for _ in range(args.samples)]
+        return trajs, [1.0 if extract_int_answer(t.response_text) == p.answer else 0.0 for t in trajs]
+
     def pass_rate(model) -> float:
-        wins = [extract_int_answer(hf_agent_rollout(model, tokenizer, p, sample=True, max_tokens=512).response_text)
-                == p.answer for p in problems for _ in range(args.samples)]
+        wins = [r for p in problems for r in sample_group(model, p)[1]]
         return sum(wins) / len(wins)
 
     t0 = time.monotonic()
@@ -88,8 +79,7 @@ def main() -> None:
     sequences: list[TrainSequence] = []
     wins = []
     for p in problems:
-        trajs = [hf_agent_rollout(model, tokenizer, p, sample=True, max_tokens=512) for _ in range(args.samples)]
-        rewards = [1.0 if extract_int_answer(t.response_text) == p.answer else 0.0 for t in trajs]
+        trajs, rewards = sample_group(model, p)
         wins += rewards
         if len(set(rewards)) < 2:
             continue  # no GRPO signal
@@ -113,7 +103,7 @@ def main() -> None:
     results = {}
     for variant in args.variants.split(","):
         parts = [float(x) for x in variant.split(":")]
-        lr, scale, eps = parts[0], parts[1], parts[2] if len(parts) > 2 else 1e-8
+        lr, scale, eps = parts[0], parts[1], parts[2] if len(parts) > 2 else TrainerConfig().eps
         policy = load_model(model_dir, torch.device("cpu"))
         trainer = PolicyTrainer(policy, TrainerConfig(lr=lr, warmup_steps=0, eps=eps,
                                                       loss=LossConfig(negative_advantage_scale=scale)), pad_id=pad_id)

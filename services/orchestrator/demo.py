@@ -150,14 +150,27 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
     }
 
 
-def main() -> None:
+def demo_state_dir() -> Path:
+    return Path(os.environ.get("RSTAR_STATE_DIR", DEFAULT_STATE_DIR)).resolve()
+
+
+def bootstrap_demo_model(state_dir: Path) -> Path:
+    """The demo's policy: the stage-0 SFT tiny model, trained once and cached under
+    ``<state_dir>/models`` (``bench/policy_update.py`` measures the same model)."""
     from services.orchestrator.bootstrap import bootstrap_tiny_model
+
+    return bootstrap_tiny_model(state_dir / "models", minutes=BOOTSTRAP_MINUTES, seed=0,
+                                log=lambda r: console.print(f"  sft step {int(r['step'])} loss {r['loss']:.3f}")
+                                if int(r["step"]) % 25 == 0 else None)
+
+
+def main() -> None:
     from services.orchestrator.run_config import RunConfig
     from services.orchestrator.runtime import dataset_for
     from shared import stack
 
     t0 = time.monotonic()
-    state_dir = Path(os.environ.get("RSTAR_STATE_DIR", DEFAULT_STATE_DIR)).resolve()
+    state_dir = demo_state_dir()
     _phase("1/7 embedded stack", t0)
     info = stack.up(state_dir)
     console.print(f"kafka {info.kafka_bootstrap}; database {info.database_url}")
@@ -165,9 +178,7 @@ def main() -> None:
     os.environ.setdefault("RSTAR_DATABASE_URL", info.database_url)
 
     _phase("2/7 tiny model (stage-0 SFT, cached)", t0)
-    model = bootstrap_tiny_model(state_dir / "models", minutes=BOOTSTRAP_MINUTES, seed=0,
-                                 log=lambda r: console.print(f"  sft step {int(r['step'])} loss {r['loss']:.3f}")
-                                 if int(r["step"]) % 25 == 0 else None)
+    model = bootstrap_demo_model(state_dir)
     console.print(f"model: {model}")
 
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
