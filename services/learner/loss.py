@@ -102,6 +102,16 @@ class LossConfig:
     def needs_proximal(self) -> bool:
         return self.objective == "decoupled"
 
+    def carries_gradient(self, advantage: float) -> bool:
+        """Whether a trajectory with this advantage contributes to the gradient at all.
+
+        Every token's loss is a multiple of its (scaled) advantage, so a trajectory with A = 0,
+        or with A < 0 when ``negative_advantage_scale`` is 0, adds nothing but its tokens to the
+        token-mean's denominator: the trainer counts them there and skips their forward and
+        backward passes.
+        """
+        return advantage > 0.0 or (advantage < 0.0 and self.negative_advantage_scale > 0.0)
+
 
 @dataclass
 class LossStats:

@@ -281,8 +281,12 @@ class PolicyTrainer:
         """
         plan = []
         for batch in self._split_updates(sequences):
-            mbs = pack(batch, self.cfg.micro_batch_tokens, self.pad_id, self.row_tokens(batch)) if batch else []
-            local = float(sum(mb.n_loss_tokens for mb in mbs))
+            # The denominator counts every loss token of the update; only sequences with a
+            # gradient are run (LossConfig.carries_gradient), which is exact and, with
+            # negative_advantage_scale 0, skips about half of each GRPO batch.
+            local = float(sum(s.n_loss_tokens for s in batch))
+            active = [s for s in batch if self.cfg.loss.carries_gradient(s.advantage)]
+            mbs = pack(active, self.cfg.micro_batch_tokens, self.pad_id, self.row_tokens(active)) if active else []
             if self.dist is None:
                 plan.append((mbs, local, 1.0))
                 continue
@@ -359,6 +363,7 @@ class PolicyTrainer:
             lr=self.optimizer.param_groups[0]["lr"],
             updates=float(len(updates)),
             micro_batches=float(sum(len(u) for u, _, _ in updates)),
+            skipped_sequences=float(sum(not loss_cfg.carries_gradient(s.advantage) for s in sequences)),
         )
         return StepResult(metrics=metrics, per_sequence_loss_tokens=[s.n_loss_tokens for s in sequences])
 

@@ -159,3 +159,34 @@ def test_recipe_settings_reach_the_optimizer_and_the_loss():
     assert trainer.optimizer.param_groups[0]["eps"] == 1e-4
     defaults = Settings().trainer_config()
     assert defaults.eps == 1e-8 and defaults.loss.negative_advantage_scale == 1.0  # the paper's recipe
+
+
+def test_sequences_without_gradient_are_skipped_but_counted_in_the_token_mean():
+    """With negative_advantage_scale 0 the failed samples (and A = 0 ones) are not run, and the
+    gradient is exactly the token-mean over the whole batch: the positives' gradient scaled by
+    (positive loss tokens / all loss tokens)."""
+    seqs = random_sequences(10, seed=8)
+    seqs[0].advantage = 0.0
+    positives = [s for s in seqs if s.advantage > 0]
+    assert 0 < len(positives) < len(seqs) - 1
+    base = tiny_llama(seed=3)
+    exp_avg = {}
+    for name, batch in (("mixed", seqs), ("positives", positives)):
+        model = copy.deepcopy(base)
+        trainer = PolicyTrainer(model, TrainerConfig(lr=1e-3, warmup_steps=0, micro_batch_tokens=48, grad_clip=1e6,
+                                                     loss=LossConfig(negative_advantage_scale=0.0)))
+        m = trainer.train_step(batch).metrics
+        exp_avg[name] = [trainer.optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+        if name == "mixed":
+            assert m["skipped_sequences"] == len(seqs) - len(positives)
+            assert m["loss_tokens"] == sum(s.n_loss_tokens for s in positives)
+    share = sum(s.n_loss_tokens for s in positives) / sum(s.n_loss_tokens for s in seqs)
+    for a, b in zip(exp_avg["mixed"], exp_avg["positives"]):
+        assert torch.allclose(a, b * share, rtol=1e-4, atol=1e-10)
+    # with the paper's symmetric advantages only the A = 0 sequence is skipped
+    m = PolicyTrainer(copy.deepcopy(base), TrainerConfig(warmup_steps=0)).train_step(seqs).metrics
+    assert m["skipped_sequences"] == 1
+    # a batch with no gradient at all still makes a (no-op) step
+    m = PolicyTrainer(copy.deepcopy(base), TrainerConfig(warmup_steps=0, loss=LossConfig(negative_advantage_scale=0.0))
+                      ).train_step([s for s in seqs if s.advantage <= 0]).metrics
+    assert m["micro_batches"] == 0 and m["loss_tokens"] == 0
