@@ -272,8 +272,10 @@ class PolicyTrainer:
         """
         return self.cfg.row_tokens or max((len(s) for s in sequences), default=0)
 
-    def _plan(self, sequences: list[TrainSequence]) -> list[tuple[list[MicroBatch], float, float]]:
+    def _plan(self, sequences: list[TrainSequence], *, rl: bool) -> list[tuple[list[MicroBatch], float, float]]:
         """Per update: (micro-batches, token-mean denominator, loss scale).
+
+        ``rl``: leave out the sequences that carry no policy gradient (an SFT step runs them all).
 
         Single device: the update's own loss-token count, scale 1. Data parallel: the global
         count, scale = world size (FSDP averages gradients), and as many micro-batches on every
@@ -285,7 +287,7 @@ class PolicyTrainer:
             # gradient are run (LossConfig.carries_gradient), which is exact and, with
             # negative_advantage_scale 0, skips about half of each GRPO batch.
             local = float(sum(s.n_loss_tokens for s in batch))
-            active = [s for s in batch if self.cfg.loss.carries_gradient(s.advantage)]
+            active = [s for s in batch if not rl or self.cfg.loss.carries_gradient(s.advantage)]
             mbs = pack(active, self.cfg.micro_batch_tokens, self.pad_id, self.row_tokens(active)) if active else []
             if self.dist is None:
                 plan.append((mbs, local, 1.0))
@@ -310,7 +312,7 @@ class PolicyTrainer:
             raise ValueError("RL sequences need behaviour logprobs")
         t0 = time.perf_counter()
         loss_cfg = self.cfg.loss
-        updates = self._plan(sequences)
+        updates = self._plan(sequences, rl=True)
         need_pass = loss_cfg.needs_proximal and (len(updates) > 1 or self.cfg.force_proximal_pass)
         prox: dict[int, torch.Tensor] = {}
         if need_pass:
@@ -375,7 +377,7 @@ class PolicyTrainer:
         if self.cfg.updates_per_step != 1:
             self.cfg = dataclasses.replace(self.cfg, updates_per_step=1)
         try:
-            ((micro_batches, total, scale),) = self._plan(sequences)
+            ((micro_batches, total, scale),) = self._plan(sequences, rl=False)
         finally:
             self.cfg = saved
         if total == 0:

@@ -30,7 +30,7 @@ def random_sequences(n: int, seed: int = 0, vocab: int = 64, rl: bool = True) ->
             response_ids=[rng.randrange(vocab) for _ in range(r)],
             loss_mask=mask,
             behaviour_logprobs=[-rng.uniform(2.0, 6.0) * m for m in mask] if rl else None,
-            advantage=rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5),
+            advantage=rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5) if rl else 0.0,  # SFT examples: none
         ))
     return out
 
