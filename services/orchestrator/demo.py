@@ -36,11 +36,17 @@ DEMO_CONFIG = Path(os.environ.get("RSTAR_DEMO_CONFIG", REPO / "configs" / "demo.
 # 100 × 4) for ~30 s of generation.
 EVAL_PROBLEMS = int(os.environ.get("RSTAR_DEMO_EVAL_PROBLEMS", "100"))
 EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "8"))
-# Copying digits forms between ~9 and 12 minutes of SFT on two cores (docs/data.md).
-BOOTSTRAP_MINUTES = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MINUTES", "12"))
+# SFT steps of the demo's model. A step count, not a time budget, so every machine trains the
+# same model: digit copying forms late and only while the learning rate is still high (with the
+# cosine over 1400 steps the loss fell from 0.15 at step 750 to 0.026 at step 900; a cosine over
+# 950 steps ended at 0.16, and a 12-minute budget gave 948 steps and pass@1 0.59 on one machine
+# but 779 steps and 0.09 on a slower one). 1400 steps: sampled pass@1 0.87, ~20 minutes on two
+# cores (docs/data.md).
+BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "1400"))
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
-# problem yields only all-equal groups, which carry no gradient and never make a step). 12 + 8
-# minutes plus the evaluations and start-ups keep a first `make demo` under 25 minutes.
+# problem yields only all-equal groups, which carry no gradient and never make a step). The
+# 40 steps of configs/demo.yaml take ~6 minutes; a first `make demo` (bootstrap included) takes
+# ~32 minutes on two cores, a cached one ~11.
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "8"))
 
 
@@ -159,7 +165,7 @@ def bootstrap_demo_model(state_dir: Path) -> Path:
     ``<state_dir>/models`` (``bench/policy_update.py`` measures the same model)."""
     from services.orchestrator.bootstrap import bootstrap_tiny_model
 
-    return bootstrap_tiny_model(state_dir / "models", minutes=BOOTSTRAP_MINUTES, seed=0,
+    return bootstrap_tiny_model(state_dir / "models", steps=BOOTSTRAP_STEPS, seed=0,
                                 log=lambda r: console.print(f"  sft step {int(r['step'])} loss {r['loss']:.3f}")
                                 if int(r["step"]) % 25 == 0 else None)
 
