@@ -40,7 +40,7 @@ EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "8"))
 # same model: digit copying forms late and only while the learning rate is still high (with the
 # cosine over 1400 steps the loss fell from 0.15 at step 750 to 0.026 at step 900; a cosine over
 # 950 steps ended at 0.16, and a 12-minute budget gave 948 steps and pass@1 0.59 on one machine
-# but 779 steps and 0.09 on a slower one). 1400 steps: sampled pass@1 0.87, ~20 minutes on two
+# but 779 steps and 0.09 on a slower one). 1400 steps: sampled pass@1 0.87, ~21 minutes on two
 # cores (docs/data.md).
 BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "1400"))
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
