@@ -36,17 +36,18 @@ DEMO_CONFIG = Path(os.environ.get("RSTAR_DEMO_CONFIG", REPO / "configs" / "demo.
 # 100 × 4) for ~30 s of generation.
 EVAL_PROBLEMS = int(os.environ.get("RSTAR_DEMO_EVAL_PROBLEMS", "100"))
 EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "8"))
-# SFT steps of the demo's model. A step count, not a time budget, so every machine trains the
-# same model: digit copying forms late and only while the learning rate is still high (with the
-# cosine over 1400 steps the loss fell from 0.15 at step 750 to 0.026 at step 900; a cosine over
-# 950 steps ended at 0.16, and a 12-minute budget gave 948 steps and pass@1 0.59 on one machine
-# but 779 steps and 0.09 on a slower one). 1400 steps: sampled pass@1 0.87, ~21 minutes on two
-# cores (docs/data.md).
-BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "1400"))
+# SFT schedule of the demo's model. A step count, not a time budget, so every machine trains the
+# same model: digit copying forms late and only while the learning rate is still high (a cosine
+# over 950 steps to 5 % never formed it: pass@1 0.09; a 12-minute budget gave 0.59 on one machine
+# and 0.09 on a slower one). 1100 steps with the cosine ending at 30 % of the rate form it between
+# steps 850 and 950: sampled pass@1 0.62, pass@8 0.90, ~18 minutes on two cores, with room left
+# for RL (1400 steps to 5 %: 0.87, ~21 minutes). docs/data.md.
+BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "1100"))
+BOOTSTRAP_MIN_LR_RATIO = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MIN_LR_RATIO", "0.3"))
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
 # problem yields only all-equal groups, which carry no gradient and never make a step). The
 # 40 steps of configs/demo.yaml take ~6 minutes; a first `make demo` (bootstrap included) takes
-# ~32 minutes on two cores, a cached one ~11.
+# ~29 minutes on two cores, a cached one ~11.
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "8"))
 
 
@@ -166,6 +167,7 @@ def bootstrap_demo_model(state_dir: Path) -> Path:
     from services.orchestrator.bootstrap import bootstrap_tiny_model
 
     return bootstrap_tiny_model(state_dir / "models", steps=BOOTSTRAP_STEPS, seed=0,
+                                min_lr_ratio=BOOTSTRAP_MIN_LR_RATIO,
                                 log=lambda r: console.print(f"  sft step {int(r['step'])} loss {r['loss']:.3f}")
                                 if int(r["step"]) % 25 == 0 else None)
 
