@@ -285,7 +285,7 @@ class PolicyTrainer:
         for batch in self._split_updates(sequences):
             # The denominator counts every loss token of the update; only sequences with a
             # gradient are run (LossConfig.carries_gradient), which is exact and, with
-            # negative_advantage_scale 0, skips about half of each GRPO batch.
+            # negative_advantage_scale 0, skips the failed samples (a quarter to a half of a demo batch).
             local = float(sum(s.n_loss_tokens for s in batch))
             active = [s for s in batch if not rl or self.cfg.loss.carries_gradient(s.advantage)]
             mbs = pack(active, self.cfg.micro_batch_tokens, self.pad_id, self.row_tokens(active)) if active else []

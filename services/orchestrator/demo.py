@@ -47,7 +47,7 @@ BOOTSTRAP_MIN_LR_RATIO = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MIN_LR_RATIO
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
 # problem yields only all-equal groups, which carry no gradient and never make a step). The
 # 40 steps of configs/demo.yaml take ~6 minutes; a first `make demo` (bootstrap included) takes
-# ~29 minutes on two cores, a cached one ~11.
+# ~29 minutes on two cores, a cached one ~9-11.
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "8"))
 
 
