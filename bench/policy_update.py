@@ -21,7 +21,7 @@ held-out problems is what ``make demo`` measures. The sampling and the re-sampli
 
 Last line: one JSON object, ``{"pass_before": …, "variants": {VARIANT: {"dlogp_pos", "dlogp_neg",
 "pass_after"}}}``. Default model: the demo's SFT model under ``.rstar/models`` (bootstrapped and
-cached first, ~18.5 minutes, when it is not there yet).
+cached first, ~13-18.5 minutes by machine, when it is not there yet).
 """
 
 from __future__ import annotations

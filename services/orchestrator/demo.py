@@ -36,18 +36,21 @@ DEMO_CONFIG = Path(os.environ.get("RSTAR_DEMO_CONFIG", REPO / "configs" / "demo.
 # 100 × 4) for ~30 s of generation.
 EVAL_PROBLEMS = int(os.environ.get("RSTAR_DEMO_EVAL_PROBLEMS", "100"))
 EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "8"))
-# SFT schedule of the demo's model. A step count, not a time budget, so every machine trains the
-# same model: digit copying forms late and only while the learning rate is still high (a cosine
-# over 950 steps to 5 % never formed it: pass@1 0.09; a 12-minute budget gave 0.59 on one machine
-# and 0.09 on a slower one). 1100 steps with the cosine ending at 30 % of the rate form it between
-# steps 850 and 950: sampled pass@1 0.62, pass@8 0.90, ~18 minutes on two cores, with room left
-# for RL (1400 steps to 5 %: 0.87, ~21 minutes). docs/data.md.
+# SFT schedule of the demo's model. A step count, not a time budget, so the model does not depend
+# on the machine's speed (a 12-minute budget gave 0.59 on one machine and 0.09 on a slower one);
+# it still depends on the CPU's floating-point kernels. Digit copying forms late and only while
+# the learning rate is still high (a cosine over 950 steps to 5 % never formed it: pass@1 0.09).
+# 1100 steps with the cosine ending at 30 % of the rate: on one machine copying formed between
+# steps 850 and 950 (sampled pass@1 0.62, pass@8 0.90); on another it had half formed (0.21,
+# pass@8 ~0.5), from where RL gained the most (+10 to +17 points in 40 steps). ~13 minutes on
+# two idle cores (~18.5 on a slower machine); 1400 steps to 5 % leave RL no room (0.87).
+# docs/data.md.
 BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "1100"))
 BOOTSTRAP_MIN_LR_RATIO = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MIN_LR_RATIO", "0.3"))
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
 # problem yields only all-equal groups, which carry no gradient and never make a step). The
-# 40 steps of configs/demo.yaml take ~6 minutes; a first `make demo` (bootstrap included) takes
-# ~29 minutes on two cores, a cached one ~9-11.
+# 40 steps of configs/demo.yaml take ~6-7 minutes; a first `make demo` (bootstrap included) took
+# 22.8 minutes on two idle cores (2026-11-30; estimated ~29 on a slower machine), a cached one ~10.
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "8"))
 
 
@@ -185,7 +188,7 @@ def main() -> None:
     os.environ.setdefault("RSTAR_KAFKA_BOOTSTRAP", info.kafka_bootstrap)
     os.environ.setdefault("RSTAR_DATABASE_URL", info.database_url)
 
-    _phase("2/7 tiny model (stage-0 SFT, cached)", t0)
+    _phase("2/7 tiny model (stage-0 SFT: trained the first time, then cached)", t0)
     model = bootstrap_demo_model(state_dir)
     console.print(f"model: {model}")
 
