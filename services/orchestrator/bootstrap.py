@@ -20,8 +20,8 @@ system prompt and ``FORMAT_VERSION``). A present directory is returned without t
 file lock makes concurrent bootstraps of the same settings train once. Caveat: with a time
 budget (``steps=None``) the number of steps depends on this machine's speed (and on whatever
 else runs on it). ``steps`` makes training bit-for-bit reproducible on one machine, not across
-machines: another CPU's floating-point kernels differ in the last bits, and this training
-amplifies that near the step where digit copying forms (the demo's settings sampled pass@1
+machines: most likely another CPU's floating-point kernels differ in the last bits, and this
+training amplifies that near the step where digit copying forms (the demo's settings sampled pass@1
 0.62 on one machine and 0.21 on another, docs/data.md). Another machine gets the same *kind* of
 model, not the same bytes.
 
