@@ -102,15 +102,23 @@ class LossConfig:
     def needs_proximal(self) -> bool:
         return self.objective == "decoupled"
 
+    def scaled_advantage(self, advantage: float | torch.Tensor) -> float | torch.Tensor:
+        """The advantage the loss uses (one float, or a tensor of them): A < 0 multiplied by
+        ``negative_advantage_scale``, A ≥ 0 as it is."""
+        s = self.negative_advantage_scale
+        if isinstance(advantage, torch.Tensor):
+            return advantage if s == 1.0 else torch.where(advantage < 0, advantage * s, advantage)
+        return advantage * s if advantage < 0 else advantage
+
     def carries_gradient(self, advantage: float) -> bool:
         """Whether a trajectory with this advantage contributes to the gradient at all.
 
-        Every token's loss is a multiple of its (scaled) advantage, so a trajectory with A = 0,
-        or with A < 0 when ``negative_advantage_scale`` is 0, adds nothing but its tokens to the
-        token-mean's denominator: the trainer counts them there and skips their forward and
-        backward passes.
+        Every token's loss is a multiple of its scaled advantage, so a trajectory whose scaled
+        advantage is 0 (A = 0, or A < 0 when ``negative_advantage_scale`` is 0) adds nothing but
+        its tokens to the token-mean's denominator: the trainer counts them there and skips its
+        forward and backward passes.
         """
-        return advantage > 0.0 or (advantage < 0.0 and self.negative_advantage_scale > 0.0)
+        return self.scaled_advantage(advantage) != 0.0
 
 
 @dataclass
@@ -182,9 +190,7 @@ def policy_loss(
         raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
     logp32 = logp.float()
     behav = logp_behav.float()
-    adv = advantages.float()
-    if config.negative_advantage_scale != 1.0:
-        adv = torch.where(adv < 0, adv * config.negative_advantage_scale, adv)
+    adv = config.scaled_advantage(advantages.float())
 
     with torch.no_grad():
         log_rho = logp32.detach() - behav  # log π_θ/μ

@@ -51,6 +51,18 @@ def test_negative_advantage_scale_damps_only_the_tokens_of_failed_samples(object
         assert g[~negative].tolist() == pytest.approx(g_full[~negative].tolist(), abs=1e-7)
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.25, 1.0])
+def test_the_trainer_skips_exactly_the_samples_whose_scaled_advantage_is_zero(scale):
+    # The trainer's skip (carries_gradient, one float per sample) and the loss (a tensor of
+    # advantages) must scale advantages the same way.
+    cfg = LossConfig(negative_advantage_scale=scale)
+    advantages = [1.5, 0.0, -0.7, -2.0, 0.3]
+    scaled = cfg.scaled_advantage(torch.tensor(advantages)).tolist()
+    assert scaled == pytest.approx([cfg.scaled_advantage(a) for a in advantages])
+    assert scaled == pytest.approx([a * scale if a < 0 else a for a in advantages])
+    assert [cfg.carries_gradient(a) for a in advantages] == [s != 0.0 for s in scaled]
+
+
 @pytest.mark.parametrize("scale", [-0.1, 1.5])
 def test_negative_advantage_scale_outside_zero_one_is_refused(scale):
     with pytest.raises(ValueError, match="negative_advantage_scale"):
