@@ -201,4 +201,8 @@ def main() -> None:
     result = asyncio.run(_evaluate_train_evaluate(cfg, model, eval_problems, state_dir, t0))
     console.print(f"pass@1 {result['pass1_before']:.3f} -> {result['pass1_after']:.3f} after {result['steps']} steps; "
                   f"report: {result['report']}")
+    # The stack stays up so the run can still be inspected; removing the state directory under
+    # a running stack would leave its broker holding the port.
+    console.print("the embedded stack is still running (`rstar status`, `rstar report RUN_ID`); "
+                  "`rstar down` stops it")
     print(json.dumps(result))
