@@ -21,9 +21,9 @@ file lock makes concurrent bootstraps of the same settings train once. Caveat: w
 budget (``steps=None``) the number of steps depends on this machine's speed (and on whatever
 else runs on it). ``steps`` makes training bit-for-bit reproducible on one machine, not across
 machines: most likely another CPU's floating-point kernels differ in the last bits, and this
-training amplifies that near the step where digit copying forms (the demo's settings sampled pass@1
-0.62 on one machine and 0.21 on another, docs/data.md). Another machine gets the same *kind* of
-model, not the same bytes.
+training amplifies that near the step where digit copying forms (the demo's settings sampled
+pass@1 0.62 on one machine and 0.21 on another, docs/data.md). Another machine gets the same
+*kind* of model, not the same bytes.
 
 Scale (docs/data.md; PLATFORM.md's experiment): ~1.9M parameters, rows of 1024 tokens (a
 prompt with the system prompt is ~165 tokens, a response ~125), lr 2e-3; the loss plateaus

@@ -52,7 +52,7 @@ def test_negative_advantage_scale_damps_only_the_tokens_of_failed_samples(object
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.25, 1.0])
-def test_the_trainer_skips_exactly_the_samples_whose_scaled_advantage_is_zero(scale):
+def test_carries_gradient_is_false_exactly_where_the_loss_scales_the_advantage_to_zero(scale):
     # The trainer's skip (carries_gradient, one float per sample) and the loss (a tensor of
     # advantages) must scale advantages the same way.
     cfg = LossConfig(negative_advantage_scale=scale)
