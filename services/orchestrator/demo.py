@@ -43,14 +43,16 @@ EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "8"))
 # 1100 steps with the cosine ending at 30 % of the rate: on one machine copying formed between
 # steps 850 and 950 (sampled pass@1 0.62, pass@8 0.90); on another it had half formed (0.21,
 # pass@8 ~0.5), from where RL gained the most (+10 to +17 points in 40 steps). ~13 minutes on
-# two idle cores (~18.5 on a slower machine); 1400 steps to 5 % leave RL no room (0.87).
-# docs/data.md.
+# two idle cores (~18.5 on a slower machine); 1400 steps to 5 % leave RL no room (0.87). Those
+# figures are the 1.87M-parameter model's; the bootstrap's 0.92M default got 0.19 on a third
+# machine, in 17 minutes on its two AVX2 cores, and RL then gained +21 and +14. docs/data.md.
 BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "1100"))
 BOOTSTRAP_MIN_LR_RATIO = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MIN_LR_RATIO", "0.3"))
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
 # problem yields only all-equal groups, which carry no gradient and never make a step). The
 # 40 steps of configs/demo.yaml take ~6-7 minutes; a first `make demo` (bootstrap included) took
-# 22.8 minutes on two idle cores (2026-11-30; estimated ~29 on a slower machine), a cached one ~10.
+# 30.5 minutes on two idle AVX2 cores (2026-11-30; 44 with the 1.87M model, whose RL stopped here
+# at 24 steps), a cached one ~12.
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "8"))
 
 
