@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="Train (or reuse) the stage-0 SFT tiny model.")
     parser.add_argument("cache_dir")
-    parser.add_argument("--minutes", type=float, default=8.0)
+    parser.add_argument("--minutes", type=float, default=BootstrapSettings.minutes)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--min-lr-ratio", type=float, default=BootstrapSettings.min_lr_ratio,
                         help="where the cosine ends, as a fraction of lr (the demo: 0.3)")
