@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -20,6 +21,13 @@ app = typer.Typer()
 console = Console(stderr=True, soft_wrap=True)
 
 StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="RSTAR_STATE_DIR", help="local state directory")
+
+
+def sigterm_as_ctrl_c() -> None:
+    """Make SIGTERM (``kill``, systemd, a container stop) stop a long-running command as Ctrl-C
+    does: its ``finally`` blocks then stop the services it started. Without this the process
+    dies at once and its services keep running until `rstar down`."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def _database_url() -> str:
@@ -54,10 +62,12 @@ def up(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="system YAML with per-service sections"),
     state_dir: Path = StateDir,
 ) -> None:
-    """Start the embedded stack and every service as supervised processes (Ctrl-C stops all)."""
+    """Start the embedded stack and every service as supervised processes (Ctrl-C or SIGTERM
+    stops them)."""
     from services.orchestrator.cluster import LocalCluster, write_system_config
     from shared import stack
 
+    sigterm_as_ctrl_c()
     with console.status("starting the embedded stack..."):
         info = stack.up(state_dir)
     console.print(f"stack: kafka {info.kafka_bootstrap}, database {info.database_url}")
@@ -69,8 +79,8 @@ def up(
         base = yaml.safe_load(config.read_text()) if config else {}
         system = write_system_config(state_dir / "system.yaml", cfg.service_settings(), base)
     cluster = LocalCluster(state_dir, system)
-    cluster.start()
     try:
+        cluster.start()
         with console.status("waiting for the services to be ready...") as st:
             cluster.wait_ready(on_wait=lambda p: st.update(f"waiting for {', '.join(p)}..."))
         console.print(f"[green]all services ready[/green]; logs in {state_dir / 'logs'}. Ctrl-C stops them.")
@@ -278,4 +288,5 @@ def demo() -> None:
     """Run the main job on the embedded default and print a JSON summary on the last line."""
     from services.orchestrator.demo import main
 
+    sigterm_as_ctrl_c()
     main()
