@@ -38,21 +38,18 @@ EVAL_PROBLEMS = int(os.environ.get("RSTAR_DEMO_EVAL_PROBLEMS", "100"))
 EVAL_SAMPLES = int(os.environ.get("RSTAR_DEMO_EVAL_SAMPLES", "8"))
 # SFT schedule of the demo's model. A step count, not a time budget, so the model does not depend
 # on the machine's speed (a 12-minute budget gave 0.59 on one machine and 0.09 on a slower one);
-# it still depends on the CPU's floating-point kernels. Digit copying forms late and only while
-# the learning rate is still high (a cosine over 950 steps to 5 % never formed it: pass@1 0.09).
-# 1100 steps with the cosine ending at 30 % of the rate: on one machine copying formed between
-# steps 850 and 950 (sampled pass@1 0.62, pass@8 0.90); on another it had half formed (0.21,
-# pass@8 ~0.5), from where RL gained the most (+10 to +17 points in 40 steps). ~13 minutes on
-# two idle cores (~18.5 on a slower machine); 1400 steps to 5 % leave RL no room (0.87). Those
-# figures are the 1.87M-parameter model's; the bootstrap's 0.92M default got 0.19 on a third
-# machine, in 17 minutes on its two AVX2 cores, and RL then gained +21 and +14. docs/data.md.
-BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "1100"))
+# it still depends on the CPU's floating-point kernels. Digit copying forms only while the
+# learning rate is still high. Since the generated problems draw every digit count of a number
+# equally often (data._digits: short copies as well as long ones), copying forms earlier: on two
+# AVX-512 cores the loss fell from 0.45 to 0.06 between steps 450 and 650 of a 700-step cosine to
+# 30 %, which samples pass@1 0.39 (pass@8 0.80) in ~7 minutes; 1100 steps gave 0.67, too strong
+# to leave RL room, and 450 never formed copying (0.00). docs/data.md, "Graded copy lengths".
+BOOTSTRAP_STEPS = int(os.environ.get("RSTAR_DEMO_BOOTSTRAP_STEPS", "700"))
 BOOTSTRAP_MIN_LR_RATIO = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MIN_LR_RATIO", "0.3"))
 # The RL phase stops here even if the run has not finished (e.g. a policy that never solves a
 # problem yields only all-equal groups, which carry no gradient and never make a step). The
-# 40 steps of configs/demo.yaml take ~6-7 minutes; a first `make demo` (bootstrap included) took
-# 30.5 minutes on two idle AVX2 cores (2026-11-30; 44 with the 1.87M model, whose RL stopped here
-# at 24 steps), a cached one ~12.
+# 60 steps of configs/demo.yaml took 6.5 minutes on two AVX-512 cores; a slower machine stops
+# short of them here rather than going past the demo's 25 minutes.
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "8"))
 
 

@@ -159,6 +159,20 @@ def test_every_generated_answer_is_correct():
                 assert str(value) in p.prompt, (p, name)
 
 
+def test_copied_numbers_have_every_digit_count_of_their_range_about_equally_often():
+    """The arithmetic operands span short to long copies (3, 4 and 5 digits for ``a``), not
+    ~90 % five-digit numbers as a draw uniform by value gives."""
+    problems = generate_problems(3000, seed=3, kinds=["arith"])
+    for name, lo, hi in [("a", 100, 99_999), ("b", 10, 9_999), ("c", 1, 99_999)]:
+        values = [p.params[name] for p in problems]
+        assert lo <= min(values) and max(values) <= hi
+        lengths = Counter(len(str(v)) for v in values)
+        assert set(lengths) == set(range(len(str(lo)), len(str(hi)) + 1)), (name, lengths)
+        share = 1 / len(lengths)
+        for n, count in lengths.items():
+            assert abs(count / len(values) - share) < 0.05, (name, n, lengths)
+
+
 def test_count_primes_below_matches_sympy():
     assert count_primes_below(0) == 0
     for n in [1, 2, 3, 4, 10, 11, 100, 7919, 7920, 100_000]:
