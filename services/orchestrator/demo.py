@@ -63,7 +63,8 @@ async def _stop_run(sessions, run_id: str) -> None:
     from shared.db.models import Run
 
     async with sessions() as s:
-        await s.execute(update(Run).where(Run.run_id == run_id).values(status="stopped"))
+        await s.execute(update(Run).where(Run.run_id == run_id, Run.status.in_(("created", "running")))
+                        .values(status="stopped"))
         await s.commit()
 
 
@@ -98,6 +99,7 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
 
     tools = LocalCluster(state_dir, None, services=("tool-executor",), name="cluster-tools")
     rest: LocalCluster | None = None
+    run_id: str | None = None
     try:
         _phase("3/7 tool-executor; evaluate the SFT model", t0)
         tools.start()
@@ -135,6 +137,12 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
 
         _phase("7/7 report", t0)
         _, steps = await load_steps(sessions, run_id)
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) or failed: leave no run marked running, or the next
+        # cluster's orchestrator would go on feeding it tasks beside its own run.
+        if run_id is not None:
+            await _stop_run(sessions, run_id)
+        raise
     finally:
         if rest is not None:
             await asyncio.to_thread(rest.stop)
