@@ -11,16 +11,19 @@ from pathlib import Path
 
 import pytest
 
+# A command's shape: clean-up in a ``finally`` around a long wait. {handler} is where a command
+# installs the SIGTERM handler (left empty for the control case below).
 PLAIN = """
 import sys, time
 from services.orchestrator.cli import sigterm_as_ctrl_c
-sigterm_as_ctrl_c()
+{handler}
 try:
     print("ready", flush=True)
     time.sleep(60)
 finally:
     open(sys.argv[1], "w").write("cleaned up")
 """
+WITH_HANDLER = "sigterm_as_ctrl_c()"
 
 IN_ASYNCIO = """
 import asyncio, sys
@@ -39,7 +42,7 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("program", [PLAIN, IN_ASYNCIO], ids=["plain", "asyncio"])
+@pytest.mark.parametrize("program", [PLAIN.format(handler=WITH_HANDLER), IN_ASYNCIO], ids=["plain", "asyncio"])
 def test_sigterm_runs_the_finally_blocks(tmp_path: Path, program: str):
     marker = tmp_path / "marker"
     proc = subprocess.Popen([sys.executable, "-c", program, str(marker)], stdout=subprocess.PIPE, text=True)
@@ -53,8 +56,8 @@ def test_sigterm_runs_the_finally_blocks(tmp_path: Path, program: str):
 def test_without_the_handler_sigterm_skips_them(tmp_path: Path):
     """The case the handler exists for (the test above would pass vacuously otherwise)."""
     marker = tmp_path / "marker"
-    program = PLAIN.replace("sigterm_as_ctrl_c()\n", "", 1).replace("from services.orchestrator.cli import sigterm_as_ctrl_c\n", "")
-    proc = subprocess.Popen([sys.executable, "-c", program, str(marker)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", PLAIN.format(handler=""), str(marker)], stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
