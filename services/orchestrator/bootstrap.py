@@ -61,7 +61,7 @@ from services.orchestrator.evaluate_metrics import SampleResult, summarize
 
 # Bump when the trace format or the training recipe changes in a way the settings don't show:
 # cached models of an older version are then not reused.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 BOOTSTRAP_INFO = "bootstrap.json"
 
 

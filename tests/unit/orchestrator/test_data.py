@@ -173,6 +173,14 @@ def test_copied_numbers_have_every_digit_count_of_their_range_about_equally_ofte
             assert abs(count / len(values) - share) < 0.05, (name, n, lengths)
 
 
+def test_no_modular_power_exponent_takes_a_whole_digit_count_share():
+    """A range whose top is a lone longer number (10..100_000) gives that one value the share of
+    a whole digit count (a fifth of the problems); the exponents must stay varied."""
+    problems = generate_problems(2000, seed=5, kinds=["modpow"])
+    (value, count), = Counter(p.params["k"] for p in problems).most_common(1)
+    assert count / len(problems) < 0.02, (value, count)
+
+
 def test_count_primes_below_matches_sympy():
     assert count_primes_below(0) == 0
     for n in [1, 2, 3, 4, 10, 11, 100, 7919, 7920, 100_000]:
