@@ -112,6 +112,8 @@ def _progress_table(run_id: str, fig: dict, last: dict | None) -> Table:
     t.add_row("status", str(fig.get("status")))
     t.add_row("stage", str(fig.get("stage")))
     t.add_row("step / version", f"{fig.get('steps_done')} / {fig.get('version')}")
+    if fig.get("learner_present") is False:
+        t.add_row("learner", "[yellow]none alive: no new tasks until one trains this run[/yellow]")
     t.add_row("groups dispatched / scored / dropped", f"{fig.get('dispatched')} / {fig.get('groups_scored')} / {fig.get('dropped')}")
     if last:
         t.add_row("reward (last step)", f"{last.get('reward_mean'):.3f}" if last.get("reward_mean") is not None else "-")
@@ -126,7 +128,8 @@ async def watch_run(sessions, run_id: str, *, timeout_s: float | None = None, li
     """Poll the run until it finishes (or fails); show live progress. Returns the last figures."""
     from sqlalchemy import select
 
-    from services.orchestrator.runtime import run_progress
+    from services.orchestrator.config import Settings
+    from services.orchestrator.runtime import learner_present, run_progress
     from shared.db.models import LearnerStep, Run
 
     start = time.monotonic()
@@ -139,7 +142,10 @@ async def watch_run(sessions, run_id: str, *, timeout_s: float | None = None, li
             async with sessions() as session:
                 run = (await session.execute(select(Run).where(Run.run_id == run_id))).scalar_one()
                 _, fig = await run_progress(session, run_id)
-                fig.update(status=run.status, stage=run.current_stage)
+                # Shown with the default timeout; the orchestrator's own setting decides the pause.
+                fig.update(status=run.status, stage=run.current_stage,
+                           learner_present=await learner_present(session, run_id, Settings.model_fields[
+                               "learner_timeout_s"].default))
                 last = (await session.execute(select(LearnerStep).where(LearnerStep.run_id == run_id)
                                               .order_by(LearnerStep.step.desc()).limit(1))).scalar_one_or_none()
             last_d = {c: getattr(last, c) for c in ("reward_mean", "pass_rate_mean", "tool_error_rate_pos",

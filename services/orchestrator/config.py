@@ -16,3 +16,6 @@ class Settings(ServiceSettings):
 
     tick_s: float = Field(0.5, gt=0, description="seconds between control passes over the active runs")
     max_dispatch_per_tick: int = Field(256, ge=1, description="cap on tasks sent in one pass (smooths bursts)")
+    learner_timeout_s: float = Field(
+        60.0, gt=0, description="a run with no learner heartbeat this recent gets no new or re-dispatched tasks "
+        "(12 of the default 5 s heartbeats: a learner busy in a long step still beats, its step runs in a thread)")

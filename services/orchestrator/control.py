@@ -35,6 +35,13 @@ Curriculum
     problem set: a problem is dropped when its most recent scored group solved it every time,
     over at least ``solved_min_attempts`` attempts (the paper: "solved 8/8"); unseen problems
     stay.
+
+Learner presence
+    Admission and re-dispatch go on only while a learner can train the run: a learner instance
+    whose last heartbeat is at most ``learner_timeout_s`` old and that trains this run (or has
+    not chosen one yet). A run whose learner is gone (killed with its command, crashed) would
+    otherwise keep ~(η + 1)·B groups in flight on the rollout instances, beside the runs being
+    trained; it is paused, not failed, so a restarted learner picks it up where it stopped.
 """
 
 from __future__ import annotations
@@ -127,6 +134,19 @@ def stage_of_new_task(live: int, *, batch_groups: int, stage_steps: Sequence[int
     step that trains it (see "Curriculum"); the last stage for the groups beyond the last step."""
     position = stage_position(live // batch_groups, stage_steps)
     return min(position.index, len(stage_steps) - 1)
+
+
+@dataclass(frozen=True)
+class LearnerBeat:
+    run_id: str  # the run the learner trains; "" while it has not chosen one (still loading, or adopting)
+    last_heartbeat: datetime
+
+
+def learner_present(beats: Sequence[LearnerBeat], run_id: str, now: datetime, *, timeout_s: float) -> bool:
+    """Whether some live learner (heartbeat within ``timeout_s``) trains ``run_id`` or has not
+    chosen a run yet (see "Learner presence")."""
+    horizon = now - timedelta(seconds=timeout_s)
+    return any(b.last_heartbeat >= horizon and b.run_id in ("", run_id) for b in beats)
 
 
 def hard_problems(stats: Sequence[ProblemStats], all_ids: Sequence[str], *, min_attempts: int) -> list[str]:

@@ -1,7 +1,8 @@
 """Orchestrator runtime: every ``tick_s`` it reads each active run's progress from PostgreSQL,
 asks :mod:`services.orchestrator.control` what to do, and does it (rows in ``rollout_tasks``,
 RolloutTasks on ``rstar.rollout.tasks``). All state lives in the database, so a restarted
-orchestrator continues where it stopped.
+orchestrator continues where it stopped. A run no live learner trains (its heartbeats in
+``service_instances``) gets no tasks until one does (``control``, "Learner presence").
 
 Order of effects for a new task: the ``rollout_tasks`` row (status ``leased``, deadline) is
 committed first, then the task is published. A crash in between leaves a leased row that is
@@ -24,7 +25,16 @@ from services.orchestrator.data import Problem as DataProblem
 from services.orchestrator.data import load_problems, make_splits
 from services.orchestrator.run_config import RunConfig
 from shared import topics
-from shared.db.models import LearnerStep, PolicyVersion, Problem, RolloutTaskRow, Run, Stage, TrajectoryGroupRow
+from shared.db.models import (
+    LearnerStep,
+    PolicyVersion,
+    Problem,
+    RolloutTaskRow,
+    Run,
+    ServiceInstance,
+    Stage,
+    TrajectoryGroupRow,
+)
 from shared.db.session import upsert
 from shared.events import RolloutTask, SamplingParams, new_id
 from shared.runtime import RuntimeContext, Service
@@ -33,6 +43,8 @@ TASKS_SENT = Counter("rstar_orchestrator_tasks_total", "Rollout tasks published"
 IN_FLIGHT = Gauge("rstar_orchestrator_live_groups", "Admitted groups not yet trained or dropped", ["run_id"])
 VERSION = Gauge("rstar_orchestrator_policy_version", "Latest policy version", ["run_id"])
 STAGE = Gauge("rstar_orchestrator_stage", "Current curriculum stage", ["run_id"])
+LEARNER_PRESENT = Gauge("rstar_orchestrator_learner_present", "1 while a live learner trains the run (else it is paused)",
+                        ["run_id"])
 
 ACTIVE = ("created", "running")
 
@@ -80,6 +92,18 @@ async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:
     return progress, figures
 
 
+async def learner_present(session, run_id: str, timeout_s: float) -> bool:
+    """Whether a live learner trains the run (:func:`control.learner_present`), judged by the
+    database's clock, which also stamped the heartbeats."""
+    rows = (await session.execute(select(
+        ServiceInstance.info["run_id"].astext, ServiceInstance.last_heartbeat, func.now()).where(
+        ServiceInstance.service == "learner", ServiceInstance.status == "up"))).all()
+    if not rows:
+        return False
+    beats = [control.LearnerBeat(r[0] or "", r[1]) for r in rows]
+    return control.learner_present(beats, run_id, rows[0][2], timeout_s=timeout_s)
+
+
 class OrchestratorService(Service):
     name = "orchestrator"
 
@@ -87,6 +111,7 @@ class OrchestratorService(Service):
         super().__init__(settings)
         self.settings: Settings = settings
         self._problems: dict[str, list[str]] = {}  # run_id -> problem ids of its training set
+        self._paused: set[str] = set()  # runs waiting for a learner (logged once per pause)
 
     async def start(self, ctx: RuntimeContext) -> None:
         await super().start(ctx)
@@ -175,6 +200,18 @@ class OrchestratorService(Service):
             STAGE.labels(run_id).set(training_stage)
             await session.execute(update(Run).where(Run.run_id == run_id).values(
                 current_stage=training_stage, current_version=progress.version))
+            present = await learner_present(session, run_id, self.settings.learner_timeout_s)
+            LEARNER_PRESENT.labels(run_id).set(int(present))
+            if not present:
+                await session.commit()
+                if run_id not in self._paused:
+                    self._paused.add(run_id)
+                    self.ctx.log.warning("run_paused_no_learner", run_id=run_id,
+                                         timeout_s=self.settings.learner_timeout_s)
+                return
+            if run_id in self._paused:
+                self._paused.discard(run_id)
+                self.ctx.log.info("run_resumed", run_id=run_id)
 
             # Leases past their deadline.
             leased = (await session.execute(select(RolloutTaskRow).where(
@@ -296,7 +333,9 @@ class OrchestratorService(Service):
                 if run is None:
                     raise HTTPException(404, f"no run {run_id!r}")
                 _, figures = await run_progress(session, run_id)
-            return {"run_id": run.run_id, "name": run.name, "status": run.status, "stage": run.current_stage, **figures}
+                present = await learner_present(session, run_id, self.settings.learner_timeout_s)
+            return {"run_id": run.run_id, "name": run.name, "status": run.status, "stage": run.current_stage,
+                    "learner_present": present, **figures}
 
         return r
 

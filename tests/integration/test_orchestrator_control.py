@@ -1,6 +1,7 @@
 """The orchestrator service on the real broker and PostgreSQL. The downstream services' effects
 (scored groups, learner steps, weight versions) are written as the rows those services write,
-so the orchestrator's admission, leases, stages and finish can be driven step by step."""
+so the orchestrator's admission, leases, stages and finish can be driven step by step; so are
+the learner's heartbeats, which tell the orchestrator that someone trains the run."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from shared import topics
 from shared.db.models import LearnerStep, PolicyVersion, Problem, RolloutTaskRow, Run, Stage, TrajectoryGroupRow
 from shared.db.session import session_factory, upsert
 from shared.events import RolloutTask, decode
-from shared.runtime import run_service
+from shared.runtime import _heartbeat_stmt, run_service
 from shared.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -70,6 +71,31 @@ async def _learner_step(sessions, run_id: str, step: int):
         await s.commit()
 
 
+class LearnerHeartbeat:
+    """What a live learner of ``run_id`` writes into ``service_instances`` every heartbeat."""
+
+    def __init__(self, sessions, run_id: str, every_s: float = 0.3):
+        self.sessions, self.run_id, self.every_s = sessions, run_id, every_s
+        self.task: asyncio.Task | None = None
+
+    async def _beat(self):
+        row = {"instance_id": f"learner-of-{self.run_id}", "service": "learner", "host": "test", "pid": 1, "port": 1,
+               "status": "up", "info": {"run_id": self.run_id, "version": 0}}
+        while True:
+            async with self.sessions() as s:
+                await s.execute(_heartbeat_stmt(row))
+                await s.commit()
+            await asyncio.sleep(self.every_s)
+
+    def start(self):
+        self.task = asyncio.create_task(self._beat())
+
+    async def stop(self):
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
 async def _wait(cond, timeout=30.0):
     end = asyncio.get_running_loop().time() + timeout
     while not await cond():
@@ -89,14 +115,22 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
                 {"stage": 3, "steps": 1, "max_tokens": 768, "max_turns": 4}],
     )
     settings = load_settings(Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
-                             topic_prefix=topic_prefix, port=0, tick_s=0.2)
+                             topic_prefix=topic_prefix, port=0, tick_s=0.2, learner_timeout_s=2.0)
     settings.port = __import__("shared.stack", fromlist=["x"])._free_port()
     svc = OrchestratorService(settings)
     task = asyncio.create_task(run_service(svc, settings, install_signals=False))
     reader = TaskReader(stack.kafka_bootstrap, topic_prefix + topics.ROLLOUT_TASKS.name)
     await reader.consumer.start()
+    learner = None
     try:
         run_id = await create_run(sessions, cfg)
+        # The run starts, but no learner trains it yet: nothing is rolled out for it.
+        await reader.quiet(3.0)
+        assert reader.tasks == []
+        async with sessions() as s:
+            assert (await s.execute(select(Run.status).where(Run.run_id == run_id))).scalar_one() == "running"
+        learner = LearnerHeartbeat(sessions, run_id)
+        learner.start()
         # (η + v + 1)·B = (1 + 0 + 1)·2 = 4 tasks, and no more until the learner moves.
         first = await reader.read(4)
         assert await reader.quiet(1.5) == 0
@@ -138,12 +172,17 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
         assert all(t.problem_id not in solved for t in tasks[5:])
         assert tasks[5].sampling.max_turns == 4 and tasks[5].sampling.max_tokens == 768
 
-        # An expired lease is re-dispatched under the same task id with attempt 2.
+        # An expired lease is re-dispatched under the same task id with attempt 2, but only
+        # while the run has a learner: with its heartbeats gone (killed), the run is paused.
+        await learner.stop()
+        await asyncio.sleep(2.5)
         victim = tasks[3].task_id
         async with sessions() as s:
             await s.execute(update(RolloutTaskRow).where(RolloutTaskRow.task_id == victim).values(
                 deadline=utcnow() - timedelta(seconds=1)))
             await s.commit()
+        assert await reader.quiet(2.0) == 0
+        learner.start()
         await reader.read(8)
         again = [t for t in reader.tasks if t.task_id == victim]
         assert [t.attempt for t in again] == [1, 2]
@@ -183,6 +222,8 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
         await reader.quiet(0.5)
         assert await reader.quiet(1.0) == 0
     finally:
+        if learner is not None:
+            await learner.stop()
         await reader.consumer.stop()
         svc.request_stop()
         await asyncio.wait_for(task, 30)

@@ -116,3 +116,16 @@ def test_problem_feed_is_a_deterministic_epoch_permutation():
     assert sorted(control.problem_at(i, ids, seed=3) for i in range(7, 14)) == ids
     with pytest.raises(ValueError):
         control.problem_at(0, [], seed=0)
+
+
+def test_a_run_is_fed_only_while_a_live_learner_trains_it():
+    beat = control.LearnerBeat
+    now = T0 + timedelta(minutes=10)
+    fresh, old = now - timedelta(seconds=5), now - timedelta(seconds=61)
+    present = lambda beats: control.learner_present(beats, "run-a", now, timeout_s=60)  # noqa: E731
+    assert not present([])
+    assert present([beat("run-a", fresh)])
+    assert not present([beat("run-a", old)])  # killed without a clean stop: its heartbeats ended
+    assert not present([beat("run-b", fresh)])  # another run's learner does not train this one
+    assert present([beat("", fresh)])  # still loading, or adopting the first run it is sent
+    assert present([beat("run-b", fresh), beat("run-a", now - timedelta(seconds=60))])  # at the boundary
