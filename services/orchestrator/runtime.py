@@ -112,6 +112,7 @@ class OrchestratorService(Service):
         self.settings: Settings = settings
         self._problems: dict[str, list[str]] = {}  # run_id -> problem ids of its training set
         self._paused: set[str] = set()  # runs waiting for a learner (logged once per pause)
+        self._had_learner: set[str] = set()  # runs a learner has trained since this process started
 
     async def start(self, ctx: RuntimeContext) -> None:
         await super().start(ctx)
@@ -206,9 +207,11 @@ class OrchestratorService(Service):
                 await session.commit()
                 if run_id not in self._paused:
                     self._paused.add(run_id)
-                    self.ctx.log.warning("run_paused_no_learner", run_id=run_id,
-                                         timeout_s=self.settings.learner_timeout_s)
+                    # A new run's learner is often still loading: only losing one is a warning.
+                    log = self.ctx.log.warning if run_id in self._had_learner else self.ctx.log.info
+                    log("run_paused_no_learner", run_id=run_id, timeout_s=self.settings.learner_timeout_s)
                 return
+            self._had_learner.add(run_id)
             if run_id in self._paused:
                 self._paused.discard(run_id)
                 self.ctx.log.info("run_resumed", run_id=run_id)
