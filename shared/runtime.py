@@ -144,7 +144,7 @@ async def _heartbeat(service: Service, ctx: RuntimeContext, stop: asyncio.Event)
                     "status": "up",
                     "info": service.info(),
                 }
-                stmt = _heartbeat_stmt(row)
+                stmt = heartbeat_upsert(row)
                 await session.execute(stmt)
                 await session.commit()
         except Exception as exc:  # noqa: BLE001 - the database may be away; keep serving
@@ -155,7 +155,9 @@ async def _heartbeat(service: Service, ctx: RuntimeContext, stop: asyncio.Event)
             pass
 
 
-def _heartbeat_stmt(row: dict[str, Any]):
+def heartbeat_upsert(row: dict[str, Any]):
+    """The statement a service's heartbeat runs (public: tests write a service's heartbeat as it
+    does, e.g. a learner's, which the orchestrator reads to know a run is being trained)."""
     from sqlalchemy import func
     from sqlalchemy.dialects.postgresql import insert as pg_insert
 

@@ -74,13 +74,13 @@ async def test_upserts_are_idempotent(db_engine):
 
 async def test_heartbeat_of_a_restarted_instance_records_its_new_process(db_engine):
     from shared.db.models import ServiceInstance
-    from shared.runtime import _heartbeat_stmt
+    from shared.runtime import heartbeat_upsert
 
     sessions = session_factory(db_engine)
     instance = f"probe-{uuid.uuid4().hex[:8]}"
     async with sessions() as s:
         for pid, port in ((1111, 9001), (2222, 9002)):  # the same instance id, restarted
-            await s.execute(_heartbeat_stmt({"instance_id": instance, "service": "probe", "host": "h", "pid": pid,
+            await s.execute(heartbeat_upsert({"instance_id": instance, "service": "probe", "host": "h", "pid": pid,
                                              "port": port, "status": "up", "info": {}}))
             await s.commit()
         row = (await s.execute(select(ServiceInstance).where(ServiceInstance.instance_id == instance))).scalar_one()

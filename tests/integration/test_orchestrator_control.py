@@ -20,7 +20,7 @@ from shared import topics
 from shared.db.models import LearnerStep, PolicyVersion, Problem, RolloutTaskRow, Run, Stage, TrajectoryGroupRow
 from shared.db.session import session_factory, upsert
 from shared.events import RolloutTask, decode
-from shared.runtime import _heartbeat_stmt, run_service
+from shared.runtime import heartbeat_upsert, run_service
 from shared.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -83,7 +83,7 @@ class LearnerHeartbeat:
                "status": "up", "info": {"run_id": self.run_id, "version": 0}}
         while True:
             async with self.sessions() as s:
-                await s.execute(_heartbeat_stmt(row))
+                await s.execute(heartbeat_upsert(row))
                 await s.commit()
             await asyncio.sleep(self.every_s)
 
