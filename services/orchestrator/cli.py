@@ -128,7 +128,7 @@ async def watch_run(sessions, run_id: str, *, timeout_s: float | None = None, li
     """Poll the run until it finishes (or fails); show live progress. Returns the last figures."""
     from sqlalchemy import select
 
-    from services.orchestrator.config import Settings
+    from services.orchestrator.config import LEARNER_TIMEOUT_S
     from services.orchestrator.runtime import learner_present, run_progress
     from shared.db.models import LearnerStep, Run
 
@@ -144,8 +144,7 @@ async def watch_run(sessions, run_id: str, *, timeout_s: float | None = None, li
                 _, fig = await run_progress(session, run_id)
                 # Shown with the default timeout; the orchestrator's own setting decides the pause.
                 fig.update(status=run.status, stage=run.current_stage,
-                           learner_present=await learner_present(session, run_id, Settings.model_fields[
-                               "learner_timeout_s"].default))
+                           learner_present=await learner_present(session, run_id, LEARNER_TIMEOUT_S))
                 last = (await session.execute(select(LearnerStep).where(LearnerStep.run_id == run_id)
                                               .order_by(LearnerStep.step.desc()).limit(1))).scalar_one_or_none()
             last_d = {c: getattr(last, c) for c in ("reward_mean", "pass_rate_mean", "tool_error_rate_pos",

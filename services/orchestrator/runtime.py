@@ -111,8 +111,9 @@ class OrchestratorService(Service):
         super().__init__(settings)
         self.settings: Settings = settings
         self._problems: dict[str, list[str]] = {}  # run_id -> problem ids of its training set
-        self._paused: set[str] = set()  # runs waiting for a learner (logged once per pause)
-        self._had_learner: set[str] = set()  # runs a learner has trained since this process started
+        # run_id -> whether a learner trained it at the last pass (absent: not seen yet); only
+        # its changes are logged.
+        self._learner_present: dict[str, bool] = {}
 
     async def start(self, ctx: RuntimeContext) -> None:
         await super().start(ctx)
@@ -203,18 +204,17 @@ class OrchestratorService(Service):
                 current_stage=training_stage, current_version=progress.version))
             present = await learner_present(session, run_id, self.settings.learner_timeout_s)
             LEARNER_PRESENT.labels(run_id).set(int(present))
+            before = self._learner_present.get(run_id)
+            self._learner_present[run_id] = present
+            if present and before is False:
+                self.ctx.log.info("run_resumed", run_id=run_id)
             if not present:
                 await session.commit()
-                if run_id not in self._paused:
-                    self._paused.add(run_id)
+                if before is not False:
                     # A new run's learner is often still loading: only losing one is a warning.
-                    log = self.ctx.log.warning if run_id in self._had_learner else self.ctx.log.info
+                    log = self.ctx.log.warning if before else self.ctx.log.info
                     log("run_paused_no_learner", run_id=run_id, timeout_s=self.settings.learner_timeout_s)
                 return
-            self._had_learner.add(run_id)
-            if run_id in self._paused:
-                self._paused.discard(run_id)
-                self.ctx.log.info("run_resumed", run_id=run_id)
 
             # Leases past their deadline.
             leased = (await session.execute(select(RolloutTaskRow).where(
