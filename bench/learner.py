@@ -17,7 +17,7 @@ MFU = tokens/s × FLOPs per token / peak FLOP/s, with FLOPs per token = 6·N (N 
 taking part in matmuls, incl. the output layer) + 6·L·H·S (causal attention, forward + backward,
 S = sequence length); peak = 989 TFLOP/s (H100/H200 SXM dense bf16) unless --peak-tflops.
 
-Default (CPU): ``shared.tiny_model``'s default tiny Llama (~1.9M parameters, 512 vocabulary), fp32,
+Default (CPU): ``lab.tiny_model``'s default tiny Llama (~1.9M parameters, 512 vocabulary), fp32,
 sequences of ~512 tokens. ``--gpu``: random-initialised Qwen2-0.5B- and 1.5B-shaped models
 (bf16 autocast, sdpa) at 4K and 8K tokens per sequence on CUDA/ROCm; needs only torch and
 transformers (no vLLM). ``--gpu-dry-run`` runs the GPU code path on the CPU with toy shapes (to
@@ -170,7 +170,7 @@ def bench_hf_baseline(model, seqs, device, *, rows_per_micro_batch: int, warmup:
 def cpu_tiny(args) -> dict[str, float]:
     import tempfile
 
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     from transformers import AutoModelForCausalLM
 

@@ -43,7 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.orchestrator.cluster import RANDOM_POLICY_OVERRIDES, cluster_for_run  # noqa: E402
+from lab.cluster import RANDOM_POLICY_OVERRIDES, cluster_for_run  # noqa: E402
 from services.orchestrator.run_config import RunConfig  # noqa: E402
 from services.orchestrator.runtime import create_run  # noqa: E402
 from shared import stack  # noqa: E402
@@ -199,7 +199,7 @@ def main() -> None:
     state = Path(tempfile.mkdtemp(prefix="rstar-bench-pipeline-"))
     model = args.model
     if model is None:
-        from shared.tiny_model import create_random_model
+        from lab.tiny_model import create_random_model
 
         model = str(create_random_model(state / "tiny", seed=0, heads=6))
     info = stack.up(state, kafka_port=stack._free_port())

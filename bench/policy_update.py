@@ -54,11 +54,11 @@ def main() -> None:
     from services.learner.loss import LossConfig
     from services.learner.packing import TrainSequence
     from services.learner.trainer import PolicyTrainer, TrainerConfig, load_model
-    from services.orchestrator import data
-    from services.orchestrator.bootstrap import extract_int_answer, hf_agent_rollout
-    from services.orchestrator.demo import bootstrap_demo_model, demo_state_dir
+    from shared.datasets import generated as data
+    from lab.bootstrap import extract_int_answer, hf_agent_rollout
+    from lab.demo import bootstrap_demo_model, demo_state_dir
     from services.reward.roc import advantages
-    from shared.tiny_model import load_tokenizer
+    from lab.tiny_model import load_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -25,7 +25,7 @@ Part 1 — simulation (``--sim-only`` runs just this, well under a minute)
     longest rollout's own critical path. No schedule, however clairvoyant, beats it.
 
 Part 2 — real run (skipped with ``--sim-only``)
-    A vLLM CPU engine on the tiny random model (``shared.tiny_model``) runs a batch of tasks
+    A vLLM CPU engine on the tiny random model (``lab.tiny_model``) runs a batch of tasks
     through the real agent loop and the tool-executor-free "no tool" path twice: with the
     dynamic and with the static scheduler; reports generated tokens/s and wall time.
 
@@ -466,7 +466,7 @@ async def real_run(*, tasks: int, samples: int, max_tokens: int, kv_cache_gib: f
     from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer
     from services.tool_executor.client import ToolExecutorClient
     from shared.events import RolloutTask, SamplingParams, utcnow
-    from shared.tiny_model import create_random_model, load_tokenizer
+    from lab.tiny_model import create_random_model, load_tokenizer
 
     model = create_random_model(model_dir, seed=0)
     tok = Tokenizer.from_hf(load_tokenizer(model))

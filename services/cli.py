@@ -42,6 +42,7 @@ EXTENSIONS = [
     ("services.reward.cli", "app", "replay"),
     ("services.learner.cli", "app", "learner"),
     ("services.orchestrator.cli", "app", None),  # None: its commands join the top level
+    ("lab.cli", "app", None),
 ]
 
 

@@ -10,7 +10,7 @@ trainer as the RL step (:meth:`services.learner.trainer.PolicyTrainer.sft_step`)
 Rows (one JSON object per line), either form:
 
 * ``{"prompt_token_ids": [...], "response_token_ids": [...], "loss_mask": [...]}`` — the
-  contract with ``services/orchestrator/sft_traces.py`` (extra keys such as ``problem_id`` are
+  contract with ``shared/datasets/sft_traces.py`` (extra keys such as ``problem_id`` are
   ignored). Preferred: the ids are exactly what the rollout would produce.
 * ``{"text_segments": [{"text": "...", "train": true|false}, ...]}`` — tokenised here with the
   model directory's tokenizer, segment by segment without special tokens (as the rollout

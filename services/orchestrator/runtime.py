@@ -21,8 +21,8 @@ from sqlalchemy import func, select, update
 
 from services.orchestrator import control
 from services.orchestrator.config import Settings
-from services.orchestrator.data import Problem as DataProblem
-from services.orchestrator.data import load_problems, make_splits
+from shared.datasets import Problem as DataProblem
+from shared.datasets import load_problems, make_splits
 from services.orchestrator.run_config import RunConfig
 from shared import topics
 from shared.db.models import (

@@ -67,7 +67,7 @@ class RolloutService(Service):
         s = self.settings
         from services.rollout.engine import RolloutEngine
         from services.tool_executor.client import ToolExecutorClient
-        from shared.tiny_model import load_tokenizer
+        from lab.tiny_model import load_tokenizer
 
         model_dir = s.model_path.resolve()
         if not (model_dir / "config.json").is_file():

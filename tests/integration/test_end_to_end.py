@@ -14,7 +14,7 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from services.orchestrator.cluster import RANDOM_POLICY_OVERRIDES, LocalCluster, cluster_for_run
+from lab.cluster import RANDOM_POLICY_OVERRIDES, LocalCluster, cluster_for_run
 from services.orchestrator.run_config import RunConfig
 from services.orchestrator.runtime import create_run
 from shared.db.models import LearnerStep, PolicyVersion, RolloutTaskRow, Run, TrajectoryGroupRow
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     return create_random_model(tmp_path_factory.mktemp("model") / "tiny", seed=0, heads=6)
 
@@ -62,7 +62,7 @@ async def _wait_finished(sessions, run_id: str, cluster: LocalCluster, timeout: 
         if on_tick:
             await on_tick()
         await asyncio.sleep(1)
-    logs = "\n".join(f"--- {m.name}\n{__import__('services.orchestrator.cluster', fromlist=['tail']).tail(m.log, 15)}"
+    logs = "\n".join(f"--- {m.name}\n{__import__('lab.cluster', fromlist=['tail']).tail(m.log, 15)}"
                      for m in cluster.managed.values())
     raise AssertionError(f"run {run_id} did not finish in {timeout:.0f} s\n{logs}")
 

@@ -33,7 +33,7 @@ RUN = "run-learner-it"
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     return create_random_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

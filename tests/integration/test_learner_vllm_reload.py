@@ -51,7 +51,7 @@ def test_vllm_reloads_a_learner_checkpoint(tmp_path):
     from services.learner.engine import EngineConfig, LearnerEngine
     from services.learner.trainer import TrainerConfig
     from shared.checkpoint import verify_checkpoint
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     initial = create_random_model(tmp_path / "tiny", seed=0)
     engine = LearnerEngine.open(EngineConfig(model_dir=initial, checkpoint_dir=tmp_path / "ckpt", device="cpu",

@@ -55,7 +55,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_root(tmp_path_factory) -> Path:
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     root = tmp_path_factory.mktemp("rollout-models")
     create_random_model(root / "v0", seed=0)
@@ -75,7 +75,7 @@ async def engine(model_root):
 
 @pytest.fixture(scope="module")
 def tokenizer(model_root) -> Tokenizer:
-    from shared.tiny_model import load_tokenizer
+    from lab.tiny_model import load_tokenizer
 
     return Tokenizer.from_hf(load_tokenizer(model_root / "v0"))
 
@@ -231,7 +231,7 @@ def weight_version(path: Path, version: int, sha: str | None = None) -> WeightVe
 
 async def test_weight_update_mid_generation_and_corrupt_checkpoints(engine, tokenizer, model_root, tmp_path):
     from services.rollout.agent import GenerateRequest as GR
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     updater = WeightUpdater([engine], tensor_index(model_root / "v0"), engine.version)
     base = engine.version

@@ -13,7 +13,7 @@ from shared.checkpoint import verify_checkpoint
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     return create_random_model(tmp_path_factory.mktemp("sft") / "tiny", seed=0, hidden=64, layers=2, heads=2,
                                intermediate=128)
@@ -21,8 +21,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def traces(tiny, tmp_path_factory):
-    from services.orchestrator import data, sft_traces
-    from shared.tiny_model import load_tokenizer
+    from shared.datasets import generated as data, sft_traces
+    from lab.tiny_model import load_tokenizer
 
     problems = data.generate_problems(24, seed=1, split="train")
     path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
@@ -53,7 +53,7 @@ def test_train_sft_lowers_the_loss_and_writes_a_loadable_model(tiny, traces, tmp
 
 
 def test_text_segment_rows_are_tokenised_with_the_model_tokenizer(tiny, tmp_path):
-    from shared.tiny_model import load_tokenizer
+    from lab.tiny_model import load_tokenizer
 
     tok = load_tokenizer(tiny)
     path = tmp_path / "seg.jsonl"

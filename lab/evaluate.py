@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from services.orchestrator.data import Problem
-from services.orchestrator.evaluate_metrics import SampleResult, summarize
+from shared.datasets import Problem
+from lab.evaluate_metrics import SampleResult, summarize
 from shared.events import RolloutTask, SamplingParams, new_id, utcnow
 
 
@@ -39,7 +39,7 @@ async def evaluate_model(model_dir: str | Path, problems: list[Problem], tool_ur
     from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer
     from services.rollout.scheduler import RolloutScheduler
     from services.tool_executor.client import ToolExecutorClient
-    from shared.tiny_model import load_tokenizer
+    from lab.tiny_model import load_tokenizer
 
     model_dir = Path(model_dir).resolve()
     engine = RolloutEngine(0, model=model_dir, dtype="float32", block_size=32, max_model_len=cfg.max_model_len,

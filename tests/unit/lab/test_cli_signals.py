@@ -15,7 +15,7 @@ import pytest
 # installs the SIGTERM handler (left empty for the control case below).
 PLAIN = """
 import sys, time
-from services.orchestrator.cli import sigterm_as_ctrl_c
+from lab.cli import sigterm_as_ctrl_c
 {handler}
 try:
     print("ready", flush=True)
@@ -27,7 +27,7 @@ WITH_HANDLER = "sigterm_as_ctrl_c()"
 
 IN_ASYNCIO = """
 import asyncio, sys
-from services.orchestrator.cli import sigterm_as_ctrl_c
+from lab.cli import sigterm_as_ctrl_c
 
 async def main():
     try:

@@ -26,7 +26,7 @@ from rich.console import Console
 from shared.settings import DEFAULT_STATE_DIR
 
 console = Console(stderr=True, soft_wrap=True)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 # The run config (``model`` is filled in with the bootstrapped model); another file can be tried
 # with RSTAR_DEMO_CONFIG=path.
 DEMO_CONFIG = Path(os.environ.get("RSTAR_DEMO_CONFIG", REPO / "configs" / "demo.yaml"))
@@ -81,9 +81,9 @@ async def _latest_checkpoint(sessions, run_id: str) -> tuple[int, str | None]:
 
 async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_dir: Path, t0: float) -> dict:
     from services.orchestrator.cli import watch_run
-    from services.orchestrator.cluster import SERVICE_ORDER, LocalCluster, cluster_for_run
-    from services.orchestrator.evaluate import EvalConfig, evaluate_model
-    from services.orchestrator.report import load_steps, render
+    from lab.cluster import SERVICE_ORDER, LocalCluster, cluster_for_run
+    from lab.evaluate import EvalConfig, evaluate_model
+    from lab.report import load_steps, render
     from services.orchestrator.runtime import create_run
     from shared.checkpoint import path_from_uri
     from shared.db.session import make_engine, session_factory
@@ -174,7 +174,7 @@ def demo_state_dir() -> Path:
 def bootstrap_demo_model(state_dir: Path) -> Path:
     """The demo's policy: the stage-0 SFT tiny model, trained once and cached under
     ``<state_dir>/models`` (``bench/policy_update.py`` measures the same model)."""
-    from services.orchestrator.bootstrap import bootstrap_tiny_model
+    from lab.bootstrap import bootstrap_tiny_model
 
     return bootstrap_tiny_model(state_dir / "models", steps=BOOTSTRAP_STEPS, seed=0,
                                 min_lr_ratio=BOOTSTRAP_MIN_LR_RATIO,

@@ -4,7 +4,7 @@
 that already writes the tool-use format (and gets some problems right), so RL has something
 to improve. Steps:
 
-1. ``shared.tiny_model.create_random_model`` → ``cache_dir/tiny-random-<hash>/`` (reused);
+1. ``lab.tiny_model.create_random_model`` → ``cache_dir/tiny-random-<hash>/`` (reused);
 2. ``n_traces`` fresh generated training problems (``data.generate_problems(seed, "train")``:
    never an eval-partition problem) turned into traces and tokenised segment by segment
    (``sft_traces``) into a JSONL file — the contract with the learner;
@@ -54,10 +54,10 @@ from typing import Any
 
 from shared import chat_format as cf
 from shared.checkpoint import TMP_PREFIX, CheckpointError, fsync_tree
-from shared.tiny_model import create_random_model, load_tokenizer
+from lab.tiny_model import create_random_model, load_tokenizer
 
-from services.orchestrator import data, sft_traces
-from services.orchestrator.evaluate_metrics import SampleResult, summarize
+from shared.datasets import generated as data, sft_traces
+from lab.evaluate_metrics import SampleResult, summarize
 
 # Bump when the trace format or the training recipe changes in a way the settings don't show:
 # cached models of an older version are then not reused.
@@ -70,7 +70,7 @@ class BootstrapSettings:
     seed: int = 0
     minutes: float = 8.0
     steps: int | None = None  # fixed step count instead of a time budget (reproducible)
-    # Model shape (shared/tiny_model.py; heads of 32, a head size vLLM's CPU backend has).
+    # Model shape (lab/tiny_model.py; heads of 32, a head size vLLM's CPU backend has).
     # 0.92M parameters: 128 wide with 4 layers reached the same loss (0.06) and sampled pass@1
     # (0.19) after 1100 steps as 192 wide with 6 heads and intermediate 512 (1.87M), in 58 % of
     # the time (0.86 against 1.43 s a step on two AVX2 cores; docs/data.md).

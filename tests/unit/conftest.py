@@ -1,4 +1,4 @@
-"""Fixtures of the orchestrator unit tests: one tiny random model for the whole session."""
+"""Fixtures of the unit tests: one tiny random model for the whole session."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from shared.tiny_model import create_random_model
+    from lab.tiny_model import create_random_model
 
     return create_random_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
-    from shared.tiny_model import load_tokenizer
+    from lab.tiny_model import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)

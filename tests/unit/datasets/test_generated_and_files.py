@@ -10,20 +10,16 @@ import pyarrow.parquet as pq
 import pytest
 import sympy
 
-from services.orchestrator.data import (
+from shared.datasets import Problem, ProblemSetError, load_problems, parse_integer_answer, write_jsonl
+from shared.datasets.generated import (
     EVAL_BUCKETS,
     KINDS,
-    Problem,
-    ProblemSetError,
     canonical_key,
     count_primes_below,
     generate_problems,
     is_eval_key,
-    load_problems,
     make_splits,
-    parse_integer_answer,
     problem_stream,
-    write_jsonl,
 )
 
 # --------------------------------------------------------------------------- loading
@@ -219,7 +215,7 @@ def test_eval_partition_is_about_one_bucket_in_eight():
 def _unfiltered(n):
     import random
 
-    from services.orchestrator.data import make_problem
+    from shared.datasets.generated import make_problem
 
     rng = random.Random(0)
     return [make_problem(rng.choice(KINDS), rng) for _ in range(n)]

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from shared import chat_format as cf
-from services.orchestrator.data import KINDS, generate_problems
-from services.orchestrator.sft_traces import (
+from shared.datasets.generated import KINDS, generate_problems
+from shared.datasets.sft_traces import (
     BUGGY_FRACTION,
     CodeRun,
     TraceError,
@@ -91,7 +91,7 @@ def test_buggy_first_calls_fail_and_the_fix_succeeds(traces):
 
 
 def test_every_bug_variant_of_every_kind_really_fails():
-    from services.orchestrator.sft_traces import _buggy_codes
+    from shared.datasets.sft_traces import _buggy_codes
 
     for p in generate_problems(60, seed=4):
         for bad, _note, fixed in _buggy_codes(p.kind, dict(p.params)):
@@ -151,7 +151,7 @@ def test_traces_are_deterministic(problems):
 
 
 def test_loaded_problems_without_kind_are_refused():
-    from services.orchestrator.data import Problem
+    from shared.datasets import Problem
 
     with pytest.raises(ValueError, match="kind"):
         make_trace(Problem("x", "What is 1+1?", "2"), random.Random(0))

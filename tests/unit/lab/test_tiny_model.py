@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from shared import chat_format as cf
 from shared.checkpoint import checkpoint_sha256
-from shared.tiny_model import (
+from lab.tiny_model import (
     EOS_TOKEN,
     VOCAB_SIZE,
     build_tokenizer,
@@ -140,7 +140,7 @@ def test_vllm_loads_the_model_and_its_logprobs_match_transformers(tiny_model_dir
     pytest.importorskip("vllm")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.tiny_model", str(tiny_model_dir), "--vllm"],
+        [sys.executable, "-m", "lab.tiny_model", str(tiny_model_dir), "--vllm"],
         capture_output=True, text=True, env=env, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

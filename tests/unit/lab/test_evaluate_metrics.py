@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.orchestrator.evaluate_metrics import SampleResult, pass_at_k, summarize
+from lab.evaluate_metrics import SampleResult, pass_at_k, summarize
 
 
 def _s(pid, ok, tokens=10, calls=1, good=1, answered=True):

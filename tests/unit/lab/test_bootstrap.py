@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared import chat_format as cf
-from services.orchestrator.bootstrap import (
+from lab.bootstrap import (
     BOOTSTRAP_INFO,
     BootstrapSettings,
     bootstrap_tiny_model,
@@ -17,7 +17,7 @@ from services.orchestrator.bootstrap import (
     sft_model_dir,
     write_training_traces,
 )
-from services.orchestrator.sft_traces import read_traces_jsonl
+from shared.datasets.sft_traces import read_traces_jsonl
 
 # A seconds-long run: small batches, short warm-up, a high LR so the loss visibly drops (no
 # copy drills: their random digits keep the mean loss high until copying is learned).
@@ -46,7 +46,7 @@ def test_bad_settings_are_refused():
 
 
 def test_training_traces_are_fresh_train_problems(tokenizer, tmp_path):
-    from services.orchestrator.data import generate_problems
+    from shared.datasets import generate_problems
 
     s = BootstrapSettings(steps=1, n_traces=30, copy_drills=10)
     rows = read_traces_jsonl(write_training_traces(tmp_path / "t.jsonl", s, tokenizer))
@@ -93,7 +93,7 @@ def test_run_model_code_limits_and_output():
     ok, out = run_model_code(code)
     assert not ok and out.endswith("NameError: name 'undefined_name' is not defined\n")
     # Reported exactly like the in-process trace generator (which mirrors the tool executor).
-    from services.orchestrator.sft_traces import run_code
+    from shared.datasets.sft_traces import run_code
 
     assert out == run_code(code).output
     assert 'File "<cell>", line 2' in out and "print(undefined_name)" in out

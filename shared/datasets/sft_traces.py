@@ -7,7 +7,7 @@ A trace is one assistant message in the format of ``shared/chat_format.py``::
     [{reasoning about the error}\\n<tool_call>...fixed code...</tool_call>\\n<tool_response>...]
     <answer>The answer is \\boxed{N}</answer><|im_end|>
 
-The code is written from the problem's ``kind`` / ``params`` (``services/orchestrator/data.py``)
+The code is written from the problem's ``kind`` / ``params`` (``shared/datasets/generated.py``)
 in one of a few equivalent styles, and is *run* at generation time (in-process ``exec``: the
 code is our own, trusted and fast; errors are reported exactly as the tool executor reports
 them and stdout/stderr joined as the rollout joins them, see ``run_code``) so every
@@ -60,7 +60,7 @@ from typing import Any
 
 from shared import chat_format as cf
 
-from services.orchestrator.data import Problem
+from shared.datasets.problem import Problem
 
 # Fraction of traces whose first tool call is buggy and fixed by the second (as in the
 # platform experiment: enough to teach recovery, few enough not to teach sloppy first calls).

@@ -1,7 +1,7 @@
 """A tiny Llama-architecture model and its tokenizer, created locally (nothing is downloaded).
 
 The embedded default of the pipeline trains its own policy from scratch (stage-0 SFT on
-generated tool-use traces, see ``services/orchestrator/bootstrap.py``). This module makes the
+generated tool-use traces, see ``lab/bootstrap.py``). This module makes the
 two starting artefacts:
 
 ``build_tokenizer(out_dir)``
@@ -40,7 +40,7 @@ Shape note: vLLM's CPU attention kernels support head sizes 32, 64, 80, 96, 112,
 (not 48), so hidden 192 is split into 6 heads of 32 (same parameter count as 4 heads of 48:
 about 1.87M parameters with the defaults). An unsupported head size is rejected up front.
 
-Run ``python -m shared.tiny_model OUT_DIR`` to build a model and (with ``--vllm``) check that
+Run ``python -m lab.tiny_model OUT_DIR`` to build a model and (with ``--vllm``) check that
 vLLM loads it and generates.
 """
 
