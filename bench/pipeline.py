@@ -145,6 +145,7 @@ def split_cores(cores: set[int]) -> dict[str, set[int]]:
 def run_once(info, state: Path, model: str, eta: int, args, port_offset: int) -> dict:
     cfg = RunConfig.model_validate(dict(
         name=f"bench-eta{eta}", model=model, dataset={"kind": "generated", "n_train": 500, "n_eval": 5, "seed": 0},
+        format={"preset": "compact"},
         group_size=args.group_size, n_samples=2 * args.group_size, batch_groups=args.batch_groups, max_staleness=eta,
         lr=1e-5, warmup_steps=0, stages=[{"stage": 1, "steps": args.steps, "max_tokens": args.max_tokens, "max_turns": 3}]))
     run_id = asyncio.run(_with_sessions(info.database_url, lambda sessions: create_run(sessions, cfg)))

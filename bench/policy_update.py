@@ -58,16 +58,17 @@ def main() -> None:
     from lab.bootstrap import extract_int_answer, hf_agent_rollout
     from lab.demo import bootstrap_demo_model, demo_state_dir
     from services.reward.roc import advantages
-    from lab.tiny_model import load_tokenizer
+    from lab.bootstrap import PRESET
+    from shared.formats import load_format
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model_dir = args.model or bootstrap_demo_model(demo_state_dir())
-    tokenizer = load_tokenizer(model_dir)
+    fmt = load_format(model_dir, PRESET)
     problems = data.make_splits(args.problems, 1, seed=args.seed)[0][: args.problems]
 
     def sample_group(model, p) -> tuple[list, list[float]]:
-        trajs = [hf_agent_rollout(model, tokenizer, p, sample=True, max_tokens=512) for _ in range(args.samples)]
+        trajs = [hf_agent_rollout(model, fmt, p, sample=True, max_tokens=512) for _ in range(args.samples)]
         return trajs, [1.0 if extract_int_answer(t.response_text) == p.answer else 0.0 for t in trajs]
 
     def pass_rate(model) -> float:
@@ -89,7 +90,9 @@ def main() -> None:
     pass_before = sum(wins) / len(wins)
     if not sequences:
         raise SystemExit("no group with both correct and failed samples: nothing to train on")
-    pad_id = tokenizer.pad_token_id
+    from services.learner.engine import pad_token_id
+
+    pad_id = pad_token_id(model_dir)
     before = PolicyTrainer(model, TrainerConfig(), pad_id=pad_id).sequence_logprobs(sequences)
     for seq, logps in zip(sequences, before):  # on-policy: the behaviour log-probs are the model's own
         behaviour = [0.0] * len(seq.response_ids)

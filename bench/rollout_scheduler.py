@@ -463,13 +463,14 @@ async def real_run(*, tasks: int, samples: int, max_tokens: int, kv_cache_gib: f
 
     from services.rollout.config import Settings
     from services.rollout.engine import RolloutEngine
-    from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer
+    from services.rollout.rollouts import AdmissionGate, RolloutRunner
     from services.tool_executor.client import ToolExecutorClient
     from shared.events import RolloutTask, SamplingParams, utcnow
-    from lab.tiny_model import create_random_model, load_tokenizer
+    from lab.tiny_model import create_random_model
+    from shared.formats import load_format
 
     model = create_random_model(model_dir, seed=0)
-    tok = Tokenizer.from_hf(load_tokenizer(model))
+    tok = load_format(model, "compact", tool_response_max_chars=256)
     engine = RolloutEngine(0, model=model, max_model_len=2048, kv_cache_gib=kv_cache_gib, max_num_seqs=256)
     t0 = time.perf_counter()
     await engine.start()
@@ -482,7 +483,7 @@ async def real_run(*, tasks: int, samples: int, max_tokens: int, kv_cache_gib: f
             sched = RolloutScheduler({0: engine.capacity_tokens}, mode=mode, block_size=engine.block_size,
                                      max_rollouts_per_engine=256, reserve_quantile=Settings().reserve_quantile)
             runner = RolloutRunner([engine], AdmissionGate(sched), tok, client, max_model_len=2048,
-                                   tool_timeout_s=5.0, tool_response_max_chars=256)
+                                   tool_timeout_s=5.0)
             batch = [RolloutTask(task_id=uuid.uuid4().hex, run_id="bench", stage=1, problem_id=f"p{i}",
                                  prompt=f"Compute {i} * 37 + 5.", answer="0", n_samples=samples,
                                  sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, max_turns=4),

@@ -52,16 +52,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared import chat_format as cf
+from shared.formats import ConversationFormat, ToolResult, load_format
 from shared.checkpoint import TMP_PREFIX, CheckpointError, fsync_tree
-from lab.tiny_model import create_random_model, load_tokenizer
+from lab.tiny_model import create_random_model
+
+# The tiny model's prompt preset (shared/formats/presets.py): a one-sentence system prompt.
+PRESET = "compact"
 
 from shared.datasets import generated as data, sft_traces
 from lab.evaluate_metrics import SampleResult, summarize
 
 # Bump when the trace format or the training recipe changes in a way the settings don't show:
 # cached models of an older version are then not reused.
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 BOOTSTRAP_INFO = "bootstrap.json"
 
 
@@ -125,14 +128,23 @@ class BootstrapSettings:
         if fields["steps"] is not None:
             fields.pop("minutes")  # a fixed step count makes the time budget irrelevant
         fields["format_version"] = FORMAT_VERSION
-        fields["system_prompt"] = cf.SYSTEM_PROMPT
+        fields["system_prompt"] = load_preset_system()
         fields["buggy_fraction"] = sft_traces.BUGGY_FRACTION
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def load_preset_system() -> str | None:
+    from shared.formats import get_preset
+
+    return get_preset(PRESET).system
+
+
 def random_model_dir(cache_dir: Path, s: BootstrapSettings) -> Path:
-    blob = json.dumps(s.model_kwargs(), sort_keys=True).encode()
+    from lab.tiny_model import CHAT_TEMPLATE
+
+    # The template is part of the key: a cached model from before it had one is not reused.
+    blob = json.dumps({**s.model_kwargs(), "chat_template": CHAT_TEMPLATE}, sort_keys=True).encode()
     return cache_dir / f"tiny-random-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
@@ -143,12 +155,12 @@ def sft_model_dir(cache_dir: Path, s: BootstrapSettings) -> Path:
 # --------------------------------------------------------------------------- data
 
 
-def write_training_traces(path: Path, s: BootstrapSettings, tokenizer) -> Path:
+def write_training_traces(path: Path, s: BootstrapSettings, fmt: ConversationFormat) -> Path:
     """``s.n_traces`` tokenised traces of fresh train-partition problems and ``s.copy_drills``
     copy drills, as learner JSONL rows (the learner shuffles them together)."""
     problems = data.generate_problems(s.n_traces, seed=s.seed, split="train")
     traces = sft_traces.make_traces(problems, seed=s.seed) + sft_traces.make_copy_drills(s.copy_drills, seed=s.seed)
-    return sft_traces.write_traces_jsonl(traces, tokenizer, path)
+    return sft_traces.write_traces_jsonl(traces, fmt, path)
 
 
 # --------------------------------------------------------------------------- training
@@ -201,7 +213,7 @@ _CELL_RUNNER = (
 )
 
 
-def run_model_code(code: str, timeout_s: float = EVAL_CODE_TIMEOUT_S) -> tuple[bool, str]:
+def run_model_code(code: str, timeout_s: float = EVAL_CODE_TIMEOUT_S) -> ToolResult:
     """Run model-written code in an isolated child interpreter with CPU/memory/time limits."""
     with tempfile.TemporaryDirectory(prefix="rstar-eval-") as cwd:
         try:
@@ -209,8 +221,8 @@ def run_model_code(code: str, timeout_s: float = EVAL_CODE_TIMEOUT_S) -> tuple[b
                                   capture_output=True, text=True, timeout=timeout_s,
                                   preexec_fn=_child_limits(timeout_s), env={"PATH": os.environ.get("PATH", "")})
         except subprocess.TimeoutExpired:
-            return False, f"TimeoutError: the code exceeded the time limit of {timeout_s:g} s"
-    return proc.returncode == 0, sft_traces.tool_output_text(proc.stdout, proc.stderr)
+            return ToolResult("timeout", detail=f"{timeout_s:g} s")
+    return ToolResult("ok" if proc.returncode == 0 else "error", proc.stdout, proc.stderr)
 
 
 def extract_int_answer(text: str) -> str | None:
@@ -221,8 +233,8 @@ def extract_int_answer(text: str) -> str | None:
     return canonical_integer(found.text) if found is not None and found.source == "answer_tag" else None
 
 
-def hf_agent_rollout(model, tokenizer, problem: data.Problem, *, sample: bool = False, max_tokens: int = 320,
-                     max_turns: int = 4):
+def hf_agent_rollout(model, fmt: ConversationFormat, problem: data.Problem, *, sample: bool = False,
+                     max_tokens: int = 320, max_turns: int = 4):
     """One trajectory of ``problem`` with HF ``generate`` (greedy, or sampled at T = 1 with no
     top-k/top-p), driven by the rollout's agent state machine so turns, tool calls and budgets
     follow the RL rollouts exactly; model-written code runs in :func:`run_model_code`."""
@@ -234,42 +246,41 @@ def hf_agent_rollout(model, tokenizer, problem: data.Problem, *, sample: bool = 
     from services.rollout.agent import AgentConfig, AgentLoop, Generation, GenerateRequest, ToolOutcome, run_agent
 
     config = AgentConfig(max_tokens=max_tokens, max_turns=max_turns,
-                         max_model_len=int(model.config.max_position_embeddings),
-                         tool_call_end_id=tokenizer.convert_tokens_to_ids(cf.TOOL_CALL_END),
-                         eos_id=tokenizer.convert_tokens_to_ids(cf.IM_END))
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+                         max_model_len=int(model.config.max_position_embeddings))
+    pad_id = model.config.pad_token_id
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
     model.eval()
 
     async def generate(req: GenerateRequest) -> Generation:
         with torch.no_grad():
             out = model.generate(torch.tensor([req.token_ids]), max_new_tokens=req.max_new_tokens, **sampling,
-                                 eos_token_id=config.stop_token_ids, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=fmt.stop_token_ids, pad_token_id=pad_id,
                                  use_cache=True)
         new = out[0, len(req.token_ids):].tolist()
         return Generation(new, [0.0] * len(new), [0] * len(new))
 
-    async def run_tool(code: str) -> ToolOutcome:
+    async def run_tool(call) -> ToolOutcome:
         t0 = time.monotonic()
-        ok, output = run_model_code(code)
-        return ToolOutcome("ok" if ok else "error", output, (time.monotonic() - t0) * 1000)
+        return ToolOutcome(run_model_code(call.code), (time.monotonic() - t0) * 1000)
 
-    loop = AgentLoop(problem.problem_id, encode(cf.render_prompt(problem.prompt)), config, encode, tokenizer.decode)
+    if fmt.stop_strings:
+        raise ValueError("the HF generate evaluation needs a single-token tool-call end (the tiny model has one)")
+    loop = AgentLoop(problem.problem_id, fmt.prompt_ids(problem.prompt), config, fmt)
     return asyncio.run(run_agent(loop, generate, run_tool))
 
 
-def evaluate_greedy(model, tokenizer, problems: list[data.Problem], *, max_tokens: int = 320,
+def evaluate_greedy(model, fmt: ConversationFormat, problems: list[data.Problem], *, max_tokens: int = 320,
                     max_turns: int = 4) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Greedy evaluation with HF ``generate`` (one problem at a time, :func:`hf_agent_rollout`)."""
     results, samples = [], []
     for problem in problems:
-        traj = hf_agent_rollout(model, tokenizer, problem, max_tokens=max_tokens, max_turns=max_turns)
+        traj = hf_agent_rollout(model, fmt, problem, max_tokens=max_tokens, max_turns=max_turns)
         text = traj.response_text
         predicted = extract_int_answer(text)
         calls = len(traj.tool_calls)
         good = sum(c.status != "parse_error" for c in traj.tool_calls)
         results.append(SampleResult(problem.problem_id, predicted == problem.answer, len(traj.response_token_ids),
-                                    calls, good, answered=cf.ANSWER_START in text))
+                                    calls, good, answered=fmt.has_answer(text)))
         samples.append({"problem_id": problem.problem_id, "answer": problem.answer, "predicted": predicted,
                         "response": text})
     return summarize(results), samples
@@ -314,11 +325,11 @@ def bootstrap_tiny_model(cache_dir: str | Path, *, minutes: float = 8.0, seed: i
         base_dir = random_model_dir(cache, s)
         with _file_lock(cache / f".{base_dir.name}.lock"):
             base = create_random_model(base_dir, **s.model_kwargs())
-        tokenizer = load_tokenizer(base)
+        fmt = load_format(base, PRESET)
         stage = cache / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         stage.mkdir()
         try:
-            traces = write_training_traces(stage / "traces.jsonl", s, tokenizer)
+            traces = write_training_traces(stage / "traces.jsonl", s, fmt)
             model_dir = stage / "model"
             summary = train(base, traces, model_dir, s, log=log)
             info: dict[str, Any] = {
@@ -334,7 +345,7 @@ def bootstrap_tiny_model(cache_dir: str | Path, *, minutes: float = 8.0, seed: i
 
                 model = AutoModelForCausalLM.from_pretrained(str(model_dir))
                 problems = data.generate_problems(eval_problems, seed=seed, split="eval")
-                metrics, samples = evaluate_greedy(model, tokenizer, problems)
+                metrics, samples = evaluate_greedy(model, fmt, problems)
                 info["eval_greedy"] = metrics
                 info["eval_examples"] = samples[:5]
             # The random init's build record would make create_random_model() mistake this

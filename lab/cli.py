@@ -107,33 +107,56 @@ def report(
 @app.command("eval")
 def eval_(
     model: Path = typer.Argument(..., help="HF model directory (the SFT model or a checkpoint)"),
-    run_config: Optional[Path] = typer.Option(None, "--run", help="take the held-out problems of this run config"),
-    problems: int = typer.Option(100, help="held-out problems"),
-    samples: int = typer.Option(4, "-k", "--samples", help="samples per problem (pass@1 is averaged over them)"),
+    dataset: Optional[list[Path]] = typer.Option(None, "--dataset", "-d",
+                                                 help="benchmark file(s): AIME/DAPO/rStar JSONL or Parquet (see docs/data.md)"),
+    run_config: Optional[Path] = typer.Option(None, "--run", help="take the held-out problems (and preset) of this run config"),
+    preset: Optional[str] = typer.Option(None, help="prompt preset: rstar2 | boxed | compact (default: the run's, else rstar2)"),
+    problems: int = typer.Option(100, help="at most this many problems"),
+    samples: int = typer.Option(4, "-k", "--samples", help="samples per problem (avg@k = pass@1 averaged over them)"),
     max_tokens: int = typer.Option(768, help="token budget per trajectory"),
     max_turns: int = typer.Option(5, help="turns per trajectory"),
+    max_model_len: int = typer.Option(4096, help="context limit of the engine"),
     temperature: float = typer.Option(1.0),
+    dtype: str = typer.Option("float32", help="float32 on CPU, bfloat16 on GPUs"),
+    kv_cache_gib: float = typer.Option(1.0, help="KV cache of the engine in GiB"),
     tool_url: list[str] = typer.Option(["http://127.0.0.1:8102"], help="tool-executor URL(s) (a running service)"),
 ) -> None:
-    """pass@1 averaged over k samples with tools, pass@k and mean response length on held-out problems."""
-    from shared.datasets import make_splits
+    """avg@k (pass@1 averaged over k samples, with tools), pass@k and mean response length, as in the
+    paper's tables: on benchmark files (--dataset), a run's held-out set (--run) or generated problems."""
     from lab.evaluate import EvalConfig, evaluate_model
     from services.orchestrator.runtime import dataset_for
+    from shared.datasets import ProblemSetError, load_problems, make_splits
+    from shared.formats import ModelDirError, load_format
 
-    if not (model / "config.json").is_file():
-        console.print(f"[red]{model} is not a model directory (no config.json)[/red]")
-        raise typer.Exit(2)
+    chosen = preset
     if run_config is not None:
         cfg, _ = load_run_config_or_exit(run_config)
+        chosen = chosen or cfg.format.preset
+    chosen = chosen or "rstar2"
+    try:  # the model check comes first: a bad directory fails in a second, not after the engine start
+        fmt = load_format(model, chosen)
+    except (ModelDirError, ValueError) as exc:
+        console.print(f"[red]cannot evaluate:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"format: {fmt.describe()['family']} / preset {chosen} / tool call by "
+                  f"{fmt.describe()['tool_call_detection']}")
+    if dataset:
+        try:
+            held_out = load_problems(dataset)
+        except ProblemSetError as exc:
+            console.print(f"[red]cannot evaluate:[/red] {exc}")
+            raise typer.Exit(2) from None
+    elif run_config is not None:
         held_out = dataset_for(cfg)[1]
     else:
         held_out = make_splits(1, problems, seed=0)[1]
     if not held_out:
-        console.print("[red]no held-out problems (dataset.eval_paths is empty)[/red]")
+        console.print("[red]no problems to evaluate (no --dataset, and the run's dataset.eval_paths is empty)[/red]")
         raise typer.Exit(2)
-    cfg_eval = EvalConfig(samples=samples, temperature=temperature, max_tokens=max_tokens, max_turns=max_turns)
+    cfg_eval = EvalConfig(samples=samples, temperature=temperature, max_tokens=max_tokens, max_turns=max_turns,
+                          max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, preset=chosen, dtype=dtype)
     summary = asyncio.run(evaluate_model(model, held_out[:problems], tool_url, cfg_eval,
-                                         progress=lambda d, n: console.print(f"{d}/{n}") if d % 20 == 0 else None))
+                                         progress=lambda d, n: console.print(f"{d}/{n}") if d % 20 == 0 or d == n else None))
     t = Table(show_header=False, title=f"eval of {model}")
     for k, v in summary.items():
         t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))

@@ -88,7 +88,8 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
     from shared.checkpoint import path_from_uri
     from shared.db.session import make_engine, session_factory
 
-    eval_cfg = EvalConfig(samples=EVAL_SAMPLES, max_tokens=cfg.stages[-1].max_tokens, max_turns=cfg.stages[-1].max_turns)
+    eval_cfg = EvalConfig(samples=EVAL_SAMPLES, max_tokens=cfg.stages[-1].max_tokens, max_turns=cfg.stages[-1].max_turns,
+                          preset=cfg.format.preset)
     tool_urls = ["http://127.0.0.1:8102"]
     engine = make_engine(os.environ["RSTAR_DATABASE_URL"])
     sessions = session_factory(engine)

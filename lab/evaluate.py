@@ -28,6 +28,8 @@ class EvalConfig:
     max_model_len: int = 4096
     tool_timeout_s: float = 10.0
     seed: int = 1234
+    preset: str = "rstar2"  # the conversation preset (shared/formats/presets.py)
+    dtype: str = "float32"  # float32 on CPU; bfloat16 on GPUs
 
 
 async def evaluate_model(model_dir: str | Path, problems: list[Problem], tool_urls: list[str],
@@ -36,13 +38,14 @@ async def evaluate_model(model_dir: str | Path, problems: list[Problem], tool_ur
     from services.reward.answers import extract_answer
     from services.reward.checker import AnswerChecker
     from services.rollout.engine import RolloutEngine
-    from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer
+    from services.rollout.rollouts import AdmissionGate, RolloutRunner
     from services.rollout.scheduler import RolloutScheduler
     from services.tool_executor.client import ToolExecutorClient
-    from lab.tiny_model import load_tokenizer
+    from shared.formats import load_format
 
     model_dir = Path(model_dir).resolve()
-    engine = RolloutEngine(0, model=model_dir, dtype="float32", block_size=32, max_model_len=cfg.max_model_len,
+    fmt = load_format(model_dir, cfg.preset)  # a model the format cannot use fails here, before the engine
+    engine = RolloutEngine(0, model=model_dir, dtype=cfg.dtype, block_size=32, max_model_len=cfg.max_model_len,
                            kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=256, seed=cfg.seed)
     await engine.start()
     tools = ToolExecutorClient(tool_urls, timeout_s=cfg.tool_timeout_s)
@@ -50,9 +53,8 @@ async def evaluate_model(model_dir: str | Path, problems: list[Problem], tool_ur
     t0 = time.monotonic()
     try:
         scheduler = RolloutScheduler({0: engine.capacity_tokens}, block_size=engine.block_size, max_rollouts_per_engine=256)
-        runner = RolloutRunner([engine], AdmissionGate(scheduler), Tokenizer.from_hf(load_tokenizer(model_dir)), tools,
-                               max_model_len=cfg.max_model_len, tool_timeout_s=cfg.tool_timeout_s,
-                               tool_response_max_chars=1024)
+        runner = RolloutRunner([engine], AdmissionGate(scheduler), fmt, tools,
+                               max_model_len=cfg.max_model_len, tool_timeout_s=cfg.tool_timeout_s)
         sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
                                   max_turns=cfg.max_turns)
         done = 0
@@ -79,6 +81,7 @@ async def evaluate_model(model_dir: str | Path, problems: list[Problem], tool_ur
 
         nested = await asyncio.gather(*(one(p) for p in problems))
         summary = summarize([s for group in nested for s in group], ks=(1, cfg.samples))
+        summary[f"avg@{cfg.samples}"] = summary["pass@1_mean"]  # the paper's name for the same figure
         summary["eval_s"] = round(time.monotonic() - t0, 1)
         return summary
     finally:

@@ -11,12 +11,17 @@ two starting artefacts:
     * every digit is its own token and digits are never merged (the ``Digits`` pre-tokenizer
       isolates each digit before byte-level BPE runs), so copying a number from a tool
       output into ``\\boxed{}`` is a token-by-token copy, not a lookup of multi-digit chunks;
-    * each tag of ``chat_format.SPECIAL_TOKENS`` is ONE token (added tokens are matched before
-      pre-tokenisation); ``<|im_start|>``, ``<|im_end|>`` and the pad token ``<|endoftext|>``
-      are *special* (dropped by ``skip_special_tokens``), the tool/answer tags are ordinary
-      added tokens so decoded text keeps them;
+    * each tag of the conversation format (``shared/formats/tags.py``) and the ChatML markers are
+      ONE token each (added tokens are matched before pre-tokenisation); ``<|im_start|>``,
+      ``<|im_end|>`` and the pad token ``<|endoftext|>`` are *special* (dropped by
+      ``skip_special_tokens``), the tool/answer tags are ordinary added tokens so decoded text
+      keeps them;
     * EOS is ``<|im_end|>``; no BOS is prepended (prompt token ids are exactly the rendered
       prompt's tokens);
+    * a chat template (:data:`CHAT_TEMPLATE`, ChatML) renders a tool message *inside* the
+      assistant message (``\n<tool_response>\n...\n</tool_response>\n``, no turn switch), so a
+      trajectory stays one assistant message: the tiny model goes through the same format code
+      as any Hugging Face model (``shared.formats``) and its traces cost no extra turn tokens;
     * saved as ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json`` so
       ``transformers.AutoTokenizer.from_pretrained(dir)`` and vLLM load it;
       ``clean_up_tokenization_spaces`` is off so ``decode(encode(text)) == text``.
@@ -50,16 +55,38 @@ import json
 import random
 from pathlib import Path
 
-from shared import chat_format as cf
+from shared.formats import tags
+from shared.formats.presets import PRESETS
 from shared.checkpoint import atomic_directory, checkpoint_sha256, save_weights
 
 VOCAB_SIZE = 512
 PAD_TOKEN = "<|endoftext|>"
-EOS_TOKEN = cf.IM_END
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+EOS_TOKEN = IM_END
 # Special in the HF sense (skipped by decode(skip_special_tokens=True)).
-_CONTROL_TOKENS = (PAD_TOKEN, cf.IM_START, cf.IM_END)
+_CONTROL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 # The tags the model writes and reads; ordinary added tokens so decoded text keeps them.
-_TAG_TOKENS = tuple(t for t in cf.SPECIAL_TOKENS if t not in _CONTROL_TOKENS)
+_TAG_TOKENS = (tags.TOOL_CALL_START, tags.TOOL_CALL_END, tags.TOOL_RESPONSE_START, tags.TOOL_RESPONSE_END,
+               tags.ANSWER_START, tags.ANSWER_END)
+# ChatML with the tool response inside the assistant message (see the module docstring).
+# transformers renders templates with trim_blocks and lstrip_blocks; every tag here is `{%-`.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- message.content }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt and (messages | length == 0 or messages[-1].role != 'tool') %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
 # Head sizes vLLM's CPU attention backend accepts (vllm/v1/attention/backends/cpu_attn.py).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -116,6 +143,25 @@ _ERRORS = (
 )
 
 
+# The texts the tiny model's format renders (checked against shared.formats by the unit tests):
+# written out here because the tokenizer has to exist before a format can be built from it.
+def _prompt(problem: str, system: str | None) -> str:
+    head = f"{IM_START}system\n{system}{IM_END}\n" if system is not None else ""
+    return head + f"{IM_START}user\n{problem}{IM_END}\n{IM_START}assistant\n"
+
+
+def _tool_call(code: str) -> str:
+    return tags.TOOL_CALL_START + json.dumps({"name": "python", "arguments": {"code": code}}, ensure_ascii=False) + tags.TOOL_CALL_END
+
+
+def _tool_response(output: str) -> str:
+    return f"\n{tags.TOOL_RESPONSE_START}\n{output}\n{tags.TOOL_RESPONSE_END}\n"
+
+
+def _answer(value: str) -> str:
+    return f"{tags.ANSWER_START}The answer is \\boxed{{{value}}}{tags.ANSWER_END}"
+
+
 def _corpus(n_docs: int = _CORPUS_DOCS, seed: int = _CORPUS_SEED) -> list[str]:
     """Documents shaped like rendered trajectories (prompt, reasoning, tool calls, answers)."""
     rng = random.Random(seed)
@@ -125,16 +171,16 @@ def _corpus(n_docs: int = _CORPUS_DOCS, seed: int = _CORPUS_SEED) -> list[str]:
         problem = rng.choice(_PROBLEM_TEMPLATES).format(**nums)
         # The system prompt repeats in every real prompt; include it in a tenth of the documents
         # so its words get merges without crowding out code and number-formatting merges.
-        doc = cf.render_prompt(problem) if i % 10 == 0 else f"{cf.IM_START}user\n{problem}{cf.IM_END}\n"
+        doc = _prompt(problem, PRESETS["compact"].system) if i % 10 == 0 else f"{IM_START}user\n{problem}{IM_END}\n"
         doc += rng.choice(_REASONING) + "\n"
         if rng.random() < 0.3:
-            doc += cf.format_tool_call(rng.choice(_CODE_TEMPLATES).format(**nums).replace("math.", "maths."))
-            doc += cf.format_tool_response(rng.choice(_ERRORS).format(w=rng.choice(["n", "result", "x", "maths"])))
+            doc += _tool_call(rng.choice(_CODE_TEMPLATES).format(**nums).replace("math.", "maths."))
+            doc += _tool_response(rng.choice(_ERRORS).format(w=rng.choice(["n", "result", "x", "maths"])))
             doc += rng.choice(_REASONING) + "\n"
-        doc += cf.format_tool_call(rng.choice(_CODE_TEMPLATES).format(**nums))
+        doc += _tool_call(rng.choice(_CODE_TEMPLATES).format(**nums))
         value = str(rng.randint(0, 10 ** rng.randint(1, 12)))
-        doc += cf.format_tool_response(value)
-        doc += cf.format_answer(value) + cf.IM_END
+        doc += _tool_response(value)
+        doc += _answer(value) + IM_END
         docs.append(doc)
     return docs
 
@@ -177,7 +223,9 @@ def build_tokenizer(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer()
-    cf.require_special_tokens(tok.token_to_id)
+    missing = [t for t in _CONTROL_TOKENS + _TAG_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        raise RuntimeError(f"tokenizer lacks single tokens for {missing}")
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
@@ -187,6 +235,7 @@ def build_tokenizer(out_dir: str | Path) -> Path:
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
+    hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(out))
     # transformers 5 no longer writes this file; older loaders still look for it.
     (out / "special_tokens_map.json").write_text(
@@ -239,12 +288,13 @@ def _llama_config(settings: dict, token_ids: dict[str, int]):
     )
 
 
-def _random_state_dict(config, seed: int) -> dict:
+def random_state_dict(config, seed: int) -> dict:
+    """Seeded N(0, 0.02²) matrices and unit norms for any HF causal-LM config (tied output dropped)."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, param in sorted(model.state_dict().items()):
@@ -288,7 +338,7 @@ def create_random_model(out_dir: str | Path, seed: int = 0, hidden: int = 192, l
             temperature=1.0,
             top_p=1.0,
         ).save_pretrained(str(tmp))
-        tensors = _random_state_dict(config, seed)
+        tensors = random_state_dict(config, seed)
         save_weights(tensors, tmp)
         n_params = sum(t.numel() for t in tensors.values())
         (tmp / BUILD_INFO_FILE).write_text(
@@ -312,10 +362,12 @@ def _vllm_smoke(model_dir: Path) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    tok = load_tokenizer(model_dir)
+    from shared.formats import load_format
+
+    fmt = load_format(model_dir, "compact")
     llm = LLM(model=str(model_dir), dtype="float32", block_size=32, enable_prefix_caching=True,
               max_model_len=1024, seed=0)
-    ids = tok.encode(cf.render_prompt("Compute 12 * 34 + 5."), add_special_tokens=False)
+    ids = fmt.prompt_ids("Compute 12 * 34 + 5.")
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=ids)],
         SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, detokenize=False, seed=0),

@@ -16,6 +16,11 @@ Rows (one JSON object per line), either form:
   model directory's tokenizer, segment by segment without special tokens (as the rollout
   tokenises tool outputs); ``train`` gives the segment's loss mask. Everything up to the first
   ``train: true`` segment becomes the prompt.
+* ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ..., "tool_calls":
+  [...]}, ...]}`` — an OpenAI-style conversation with tool calls, rendered through the model's
+  conversation format (``shared.formats``: its chat template; tool calls written as the
+  format's ``<tool_call>`` JSON, tool messages wrapped as the template renders them and
+  masked). ``preset`` names the tool the calls must use and how the tool is described.
 
 Schedule (defaults from the platform experiment with the ~2M-parameter model: AdamW lr 2e-3,
 linear warm-up, cosine decay to 10 %): with ``steps`` the schedule spans them exactly; with only
@@ -50,7 +55,7 @@ class SftDataError(ValueError):
     """A malformed trace row (the message names the file and line)."""
 
 
-def _row_to_sequence(row: Any, tokenizer: Any, where: str) -> TrainSequence:
+def _row_to_sequence(row: Any, tokenizer: Any, where: str, fmt_of: Callable[[], Any] | None = None) -> TrainSequence:
     if not isinstance(row, dict):
         raise SftDataError(f"{where}: expected a JSON object")
     if "response_token_ids" in row:
@@ -77,10 +82,22 @@ def _row_to_sequence(row: Any, tokenizer: Any, where: str) -> TrainSequence:
                 response.extend(ids)
                 mask.extend([1 if seg["train"] else 0] * len(ids))
         return TrainSequence(prompt_ids=prompt, response_ids=response, loss_mask=mask)
-    raise SftDataError(f"{where}: a row needs response_token_ids+loss_mask or text_segments")
+    if "messages" in row:
+        if fmt_of is None:
+            raise SftDataError(f"{where}: messages rows need the model directory's conversation format")
+        from shared.datasets.sft_traces import ChatDataError, render_trace, steps_from_messages
+
+        fmt = fmt_of()
+        try:
+            tok = render_trace(steps_from_messages(row["messages"], fmt), fmt)
+        except ChatDataError as exc:
+            raise SftDataError(f"{where}: {exc}") from None
+        return TrainSequence(prompt_ids=tok.prompt_token_ids, response_ids=tok.response_token_ids, loss_mask=tok.loss_mask)
+    raise SftDataError(f"{where}: a row needs response_token_ids+loss_mask, text_segments or messages")
 
 
-def load_sft_jsonl(path: str | Path, tokenizer: Any = None, *, vocab_size: int | None = None) -> list[TrainSequence]:
+def load_sft_jsonl(path: str | Path, tokenizer: Any = None, *, vocab_size: int | None = None,
+                   fmt_of: Callable[[], Any] | None = None) -> list[TrainSequence]:
     """Read trace rows; raises :class:`SftDataError` (with file:line) on the first bad row."""
     out: list[TrainSequence] = []
     with Path(path).open() as fh:
@@ -92,7 +109,7 @@ def load_sft_jsonl(path: str | Path, tokenizer: Any = None, *, vocab_size: int |
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise SftDataError(f"{where}: not JSON: {exc}") from exc
-            seq = _row_to_sequence(row, tokenizer, where)
+            seq = _row_to_sequence(row, tokenizer, where, fmt_of)
             if vocab_size is not None:
                 bad = [t for t in seq.prompt_ids + seq.response_ids if not 0 <= t < vocab_size]
                 if bad:
@@ -167,6 +184,7 @@ def train_sft(
     seed: int = 0,
     device: str = "auto",
     threads: int = 0,
+    preset: str = "rstar2",
     log: Callable[[dict[str, float]], None] | None = None,
 ) -> SftSummary:
     """Train ``model_dir`` on the traces; write the result to ``out_dir`` (must not exist)."""
@@ -194,7 +212,16 @@ def train_sft(
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_model(model_dir, resolve_device(device))
     vocab = model.get_input_embeddings().weight.shape[0]
-    seqs = load_sft_jsonl(traces_jsonl, tokenizer, vocab_size=vocab)
+    formats: list[Any] = []
+
+    def fmt_of():  # built only when a row needs it (chat-message rows)
+        if not formats:
+            from shared.formats import load_format
+
+            formats.append(load_format(model_dir, preset))
+        return formats[0]
+
+    seqs = load_sft_jsonl(traces_jsonl, tokenizer, vocab_size=vocab, fmt_of=fmt_of)
     cfg = TrainerConfig(lr=lr, warmup_steps=0, weight_decay=weight_decay, grad_clip=grad_clip,
                         micro_batch_tokens=micro_batch_tokens or batch_tokens, row_tokens=row_tokens)
     trainer = PolicyTrainer(model, cfg, pad_id=pad_token_id(model_dir))
@@ -224,7 +251,7 @@ def train_sft(
     tail = history[-10:]
     settings = dict(steps=steps, time_budget_s=time_budget_s, lr=lr, warmup_steps=warmup_steps,
                     min_lr_ratio=min_lr_ratio, batch_tokens=batch_tokens, row_tokens=row_tokens,
-                    weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, model_dir=str(model_dir),
+                    weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, model_dir=str(model_dir), preset=preset,
                     traces=str(traces_jsonl))
     summary = SftSummary(
         out_dir=str(out), sha256="", steps=step, epochs=round(examples_seen / len(seqs), 3),

@@ -36,8 +36,15 @@ class _Strict(BaseModel):
 
 class DatasetConfig(_Strict):
     kind: Literal["generated", "file"] = "generated"
-    paths: list[str] = Field(default_factory=list, description="JSONL/Parquet files (kind: file)")
+    paths: list[str] = Field(default_factory=list, description="JSONL/JSON/Parquet files (kind: file)")
     eval_paths: list[str] = Field(default_factory=list, description="held-out files for `rstar eval` (kind: file)")
+    fields: dict[Literal["prompt", "answer", "id"], str] = Field(
+        default_factory=dict,
+        description="kind file: explicit dotted paths of prompt, answer (both) and id, e.g. "
+                    "{prompt: data.question, answer: reward_model.ground_truth}; empty: detect the schema "
+                    "(docs/data.md, Problem-set files)")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="kind file: fail on bad rows, or skip and count them")
+    dedupe: bool = Field(True, description="kind file: drop repeats of a problem (normalised text)")
     n_train: int = Field(2000, gt=0, description="generated training problems")
     n_eval: int = Field(200, gt=0, description="generated held-out problems")
     seed: int = 0
@@ -46,7 +53,26 @@ class DatasetConfig(_Strict):
     def _paths(self) -> "DatasetConfig":
         if self.kind == "file" and not self.paths:
             raise ValueError("dataset.kind 'file' needs dataset.paths")
+        if self.fields:
+            if self.kind != "file":
+                raise ValueError("dataset.fields applies to dataset.kind 'file' only")
+            missing = [k for k in ("prompt", "answer") if not self.fields.get(k, "").strip()]
+            if missing:
+                raise ValueError(f"dataset.fields needs {' and '.join(missing)} (dotted paths) as well")
         return self
+
+
+class FormatConfig(_Strict):
+    preset: str = Field("rstar2", description="prompt preset (shared/formats/presets.py): rstar2 | boxed | compact")
+
+    @field_validator("preset")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from shared.formats.presets import PRESETS
+
+        if v not in PRESETS:
+            raise ValueError(f"unknown prompt preset {v!r}; known: {', '.join(PRESETS)}")
+        return v
 
 
 class SamplingConfig(_Strict):
@@ -71,6 +97,7 @@ class RunConfig(_Strict):
     seed: int = 0
     model: str = Field(description="HF model directory: version 0 of the policy")
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    format: FormatConfig = Field(default_factory=FormatConfig, description="the conversation format's preset")
     group_size: int = Field(16, gt=0, description="G")
     n_samples: int | None = Field(None, description="2G (default 2 x group_size)")
     batch_groups: int = Field(8, gt=0, description="B")
@@ -141,7 +168,7 @@ class RunConfig(_Strict):
                 "lr": self.lr,
                 "warmup_steps": self.warmup_steps,
             },
-            "rollout": {"model_path": self.model},
+            "rollout": {"model_path": self.model, "prompt_preset": self.format.preset},
         }
         for name, values in self.services.items():
             sections.setdefault(name, {}).update(values)
@@ -167,7 +194,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     except ValidationError as exc:
         reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors())
         raise RunConfigError(f"run config {path}: {reasons}") from exc
-    model = Path(cfg.model)
-    if not (model / "config.json").is_file():
-        raise RunConfigError(f"run config {path}: model {cfg.model} is not a model directory (no config.json)")
+    from shared.formats import ModelDirError, load_format
+
+    try:  # the whole model check (config, tokenizer, template, what the preset needs) takes ~1 s
+        load_format(cfg.model, cfg.format.preset)
+    except ModelDirError as exc:
+        raise RunConfigError(f"run config {path}: {exc}") from exc
     return cfg

@@ -22,7 +22,7 @@ from sqlalchemy import func, select, update
 from services.orchestrator import control
 from services.orchestrator.config import Settings
 from shared.datasets import Problem as DataProblem
-from shared.datasets import load_problems, make_splits
+from shared.datasets import ProblemSetReport, load_problem_set, make_splits
 from services.orchestrator.run_config import RunConfig
 from shared import topics
 from shared.db.models import (
@@ -37,6 +37,7 @@ from shared.db.models import (
 )
 from shared.db.session import upsert
 from shared.events import RolloutTask, SamplingParams, new_id
+from shared.logging import get_logger
 from shared.runtime import RuntimeContext, Service
 
 TASKS_SENT = Counter("rstar_orchestrator_tasks_total", "Rollout tasks published", ["kind"])
@@ -53,14 +54,29 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def dataset_for(cfg: RunConfig) -> tuple[list[DataProblem], list[DataProblem]]:
-    """(train, eval) problems of a run."""
+def dataset_for(cfg: RunConfig, *, reports: dict[str, ProblemSetReport] | None = None,
+                ) -> tuple[list[DataProblem], list[DataProblem]]:
+    """(train, eval) problems of a run. For files, each split's load report (schema per file,
+    rows, duplicates dropped, bad rows skipped, answer kinds) is logged as ``dataset_loaded``
+    (conflicting answers of duplicates also as ``dataset_conflicting_answers``) and, when
+    ``reports`` is given, stored in it under ``"train"`` / ``"eval"``."""
     d = cfg.dataset
     if d.kind == "generated":
         return make_splits(d.n_train, d.n_eval, seed=d.seed)
-    train = load_problems(d.paths)
-    evals = load_problems(d.eval_paths) if d.eval_paths else []
-    return train, evals
+    log = get_logger("orchestrator.dataset")
+    splits: dict[str, list[DataProblem]] = {"train": [], "eval": []}
+    for split, paths in (("train", d.paths), ("eval", d.eval_paths)):
+        if not paths:
+            continue
+        loaded = load_problem_set(paths, fields=d.fields or None, on_bad_row=d.on_bad_row, dedupe=d.dedupe)
+        log.info("dataset_loaded", split=split, **loaded.report.summary())
+        if loaded.report.conflicting_answers:
+            log.warning("dataset_conflicting_answers", split=split, count=loaded.report.conflicting_answers,
+                        first=loaded.report.warnings)
+        if reports is not None:
+            reports[split] = loaded.report
+        splits[split] = loaded.problems
+    return splits["train"], splits["eval"]
 
 
 async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:

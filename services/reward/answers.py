@@ -1,7 +1,7 @@
 """Answer extraction and checking (pure: no I/O, no pools, no clocks).
 
 Extraction
-    The policy answers as ``<answer>... \\boxed{N} ...</answer>`` (see :mod:`shared.chat_format`).
+    The policy answers as ``<answer>... \\boxed{N} ...</answer>`` (see :mod:`shared.formats.tags`).
     :func:`extract_answer` returns the content of the *last* ``\\boxed{...}`` inside the answer
     blocks; with :data:`ANSWER_TAG_THEN_LAST_BOXED` (the default source) a response without a
     boxed answer inside ``<answer>`` falls back to the last ``\\boxed{}`` of the whole response,
@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.chat_format import (
+from shared.formats.tags import (
     ANSWER_END,
     ANSWER_START,
     TOOL_CALL_END,

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from services.reward.answers import model_written_text
-from shared.chat_format import count_answer_tags
+from shared.formats.tags import count_answer_tags
 from shared.events import RocStats, ScoredGroup, ScoredTrajectory, Trajectory, TrajectoryGroup
 
 RocMode = Literal["roc", "deterministic", "grpo"]

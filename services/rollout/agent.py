@@ -2,15 +2,18 @@
 
 Algorithm
 ---------
-A trajectory is ONE assistant message (``shared.chat_format``) built turn by turn::
+A trajectory is the model's response built turn by turn in a conversation format
+(``shared.formats``: the model's chat template, the preset's wording, Hermes tool calls)::
 
-    state GENERATE --(generation ends on </tool_call>)--> parse the call in this turn's text
-        well-formed  -> state TOOL: the caller runs the code, ``on_tool_result`` appends
-                        "<tool_response>...</tool_response>" (loss_mask 0) -> GENERATE
+    state GENERATE --(generation ends on </tool_call>: a stop token or stop string)--> parse
+        the call in this turn's text
+        well-formed  -> state TOOL: the caller runs the code, ``on_tool_result`` appends the
+                        tool segment as the template renders a tool message (loss_mask 0) -> GENERATE
         malformed    -> a ``parse_error`` tool record; the parser's message is appended as the
                         tool response (the model sees why) -> GENERATE; never an exception
-    GENERATE --(ends on <|im_end|>)--> DONE: finish ``answer`` if the message holds an
-        <answer> tag, else ``eos``
+    GENERATE --(ends on an end id: EOS, end-of-turn, generation_config's eos)--> DONE: finish
+        ``answer`` if the response holds an answer (``<answer>``, or ``\\boxed`` in a preset
+        without answer tags), else ``eos``
     GENERATE --(ends without a stop token: the token budget / context is used up)--> DONE
         ``max_tokens``
     after the ``max_turns``-th generation, a tool call is not run -> DONE ``max_turns``
@@ -38,7 +41,8 @@ import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from shared import chat_format as cf
+from shared.formats import ConversationFormat, ToolResult
+from shared.formats.tags import TOOL_CALL_START
 from shared.events import FinishReason, ToolCallRecord, ToolStatus, Trajectory
 
 
@@ -47,13 +51,6 @@ class AgentConfig:
     max_tokens: int  # response budget: model + tool tokens, all turns
     max_turns: int
     max_model_len: int
-    tool_call_end_id: int
-    eos_id: int
-    tool_response_max_chars: int = cf.DEFAULT_TOOL_RESPONSE_CHARS
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return [self.tool_call_end_id, self.eos_id]
 
 
 @dataclass(frozen=True)
@@ -84,16 +81,24 @@ class Generation:
 @dataclass(frozen=True)
 class ToolRequest:
     code: str
+    stdin: str = ""
 
 
 @dataclass(frozen=True)
 class ToolOutcome:
-    """What a tool call came to. ``fatal``: the executor could not run it at all."""
+    """What a tool call came to. ``fatal``: the executor could not run it at all (``reason`` says
+    why); otherwise ``result`` is what the format shows the model."""
 
-    status: ToolStatus
-    output: str
+    result: ToolResult
     duration_ms: float
     fatal: bool = False
+    reason: str = ""
+
+    @property
+    def status(self) -> ToolStatus:
+        """The trajectory record's status: a memory or output limit is an ``error`` of the code."""
+        s = self.result.status
+        return "error" if self.fatal or s in ("memory", "output_limit") else s  # type: ignore[return-value]
 
 
 class State(enum.Enum):
@@ -102,33 +107,20 @@ class State(enum.Enum):
     DONE = "done"
 
 
-# Execution statuses of services/tool_executor -> ToolCallRecord.status, and the line appended
-# to the output so the model can tell what happened.
 def outcome_from_execution(status: str, stdout: str, stderr: str, duration_ms: float,
                            timeout_s: float | None = None) -> ToolOutcome:
     """Map a tool-executor result (``ExecutionResult`` fields) to a tool outcome."""
-    text = cf.tool_output_text(stdout, stderr)
-    if status == "ok":
-        return ToolOutcome("ok", text, duration_ms)
-    if status == "error":
-        return ToolOutcome("error", text, duration_ms)
+    if status in ("ok", "error", "memory", "output_limit"):
+        return ToolOutcome(ToolResult(status, stdout, stderr), duration_ms)  # type: ignore[arg-type]
     if status == "timeout":
-        limit = f" of {timeout_s:g} s" if timeout_s else ""
-        return ToolOutcome("timeout", _join(text, f"TimeoutError: the code exceeded the time limit{limit}"), duration_ms)
-    if status == "memory":
-        return ToolOutcome("error", _join(text, "MemoryError: the code exceeded the memory limit"), duration_ms)
-    if status == "output_limit":
-        return ToolOutcome("error", _join(text, "OutputLimitError: the code printed more than the output limit"), duration_ms)
+        return ToolOutcome(ToolResult("timeout", stdout, stderr, f"{timeout_s:g} s" if timeout_s else ""), duration_ms)
     # "rejected" after the client's retries, or anything unknown: the service did not run it.
-    return ToolOutcome("error", f"tool executor did not run the code (status {status})", duration_ms, fatal=True)
+    return ToolOutcome(ToolResult("error"), duration_ms, fatal=True,
+                       reason=f"tool executor did not run the code (status {status})")
 
 
 def unavailable_outcome(reason: str, duration_ms: float) -> ToolOutcome:
-    return ToolOutcome("error", f"tool executor unavailable: {reason}", duration_ms, fatal=True)
-
-
-def _join(text: str, line: str) -> str:
-    return f"{text}\n{line}" if text else line
+    return ToolOutcome(ToolResult("error"), duration_ms, fatal=True, reason=f"tool executor unavailable: {reason}")
 
 
 @dataclass
@@ -136,8 +128,7 @@ class AgentLoop:
     traj_id: str
     prompt_token_ids: list[int]
     config: AgentConfig
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
+    fmt: ConversationFormat
 
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -147,7 +138,7 @@ class AgentLoop:
     turns: int = 0
     state: State = State.GENERATE
     finish_reason: FinishReason | None = None
-    _pending_code: str | None = None
+    _pending: ToolRequest | None = None
     _turn_start: int = 0
 
     def __post_init__(self) -> None:
@@ -176,8 +167,8 @@ class AgentLoop:
         if self.state is State.DONE:
             return None
         if self.state is State.TOOL:
-            assert self._pending_code is not None
-            return ToolRequest(self._pending_code)
+            assert self._pending is not None
+            return self._pending
         room = self._room()
         if room <= 0:
             self._finish("max_tokens")
@@ -196,49 +187,49 @@ class AgentLoop:
         self.loss_mask.extend([1] * len(gen.token_ids))
         self.logprobs.extend(gen.logprobs)
         self.versions.extend(gen.versions)
-        last = gen.token_ids[-1] if gen.token_ids else None
-        if last == self.config.eos_id:
-            text = self.decode(self.response_ids)
-            self._finish("answer" if cf.count_answer_tags(text) > 0 else "eos")
-        elif last == self.config.tool_call_end_id:
+        end = self.fmt.classify(list(gen.token_ids))
+        if end == "end":
+            self._finish("answer" if self.fmt.has_answer(self.fmt.decode(self.response_ids)) else "eos")
+        elif end == "tool_call":
             self._on_tool_call()
         else:
             # No stop token: the generation ran out of room (budget or context).
             self._finish("max_tokens")
 
     def _on_tool_call(self) -> None:
-        turn_text = self.decode(self.response_ids[self._turn_start :])
-        parsed = cf.parse_tool_call(turn_text)
+        turn_text = self.fmt.decode(self.response_ids[self._turn_start :])
+        parsed = self.fmt.parse_tool_call(turn_text)
         if self.turns >= self.config.max_turns:
             self._finish("max_turns")
             return
         if parsed.ok:
-            self._pending_code = parsed.code
+            assert parsed.code is not None
+            self._pending = ToolRequest(parsed.code, parsed.stdin)
             self.state = State.TOOL
             return
-        raw = turn_text[turn_text.rfind(cf.TOOL_CALL_START) :] if cf.TOOL_CALL_START in turn_text else turn_text
-        message = f"ToolCallError: {parsed.error}"
-        self._record(raw, "parse_error", 0.0, message)
-        self._append_tool_response(message)
+        start = turn_text.rfind(TOOL_CALL_START)
+        raw = turn_text[start:] if start >= 0 else turn_text
+        result = ToolResult("parse_error", detail=parsed.error or "")
+        self._record(raw, "parse_error", 0.0, self.fmt.tool_result_body(result))
+        self._append_tool_response(result)
 
     def on_tool_result(self, outcome: ToolOutcome) -> None:
-        if self.state is not State.TOOL or self._pending_code is None:
+        if self.state is not State.TOOL or self._pending is None:
             raise RuntimeError(f"on_tool_result in state {self.state.value}")
-        code, self._pending_code = self._pending_code, None
+        code, self._pending = self._pending.code, None
         self.state = State.GENERATE
         if outcome.fatal:
-            self._record(code, outcome.status, outcome.duration_ms, outcome.output)
+            self._record(code, outcome.status, outcome.duration_ms, outcome.reason)
             self._finish("tool_failure")
             return
-        shown, _ = cf.truncate_middle(outcome.output, self.config.tool_response_max_chars)
-        self._record(code, outcome.status, outcome.duration_ms, shown)
-        self._append_tool_response(outcome.output)
+        self._record(code, outcome.status, outcome.duration_ms, self.fmt.tool_result_body(outcome.result))
+        self._append_tool_response(outcome.result)
 
     def _record(self, code: str, status: ToolStatus, duration_ms: float, output: str) -> None:
         self.tool_calls.append(ToolCallRecord(code=code, status=status, duration_ms=max(0.0, duration_ms), output=output))
 
-    def _append_tool_response(self, output: str) -> None:
-        ids = self.encode(cf.format_tool_response(output, self.config.tool_response_max_chars))
+    def _append_tool_response(self, result: ToolResult) -> None:
+        ids = self.fmt.tool_response_ids(result)
         if len(ids) > self._room():
             self._finish("max_tokens")
             return
@@ -267,12 +258,12 @@ class AgentLoop:
             turns=self.turns,
             tool_calls=list(self.tool_calls),
             finish_reason=self.finish_reason,
-            response_text=self.decode(self.response_ids),
+            response_text=self.fmt.decode(self.response_ids),
         )
 
 
 GenerateFn = Callable[[GenerateRequest], Awaitable[Generation]]
-ToolFn = Callable[[str], Awaitable[ToolOutcome]]
+ToolFn = Callable[[ToolRequest], Awaitable[ToolOutcome]]
 
 
 async def run_agent(loop: AgentLoop, generate: GenerateFn, run_tool: ToolFn,
@@ -286,7 +277,7 @@ async def run_agent(loop: AgentLoop, generate: GenerateFn, run_tool: ToolFn,
         if isinstance(action, GenerateRequest):
             loop.on_generation(await generate(action))
         else:
-            loop.on_tool_result(await run_tool(action.code))
+            loop.on_tool_result(await run_tool(action))
         if on_turn is not None:
             on_turn(loop)
     return loop.trajectory()

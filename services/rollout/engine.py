@@ -148,19 +148,24 @@ class RolloutEngine:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, req: GenerateRequest, *, temperature: float, top_p: float,
-                       stop_token_ids: list[int], request_id: str | None = None,
-                       extra: dict[str, Any] | None = None) -> Generation:
-        """Continue ``req.token_ids`` by at most ``req.max_new_tokens`` sampled tokens."""
+                       stop_token_ids: list[int], stop_strings: list[str] | None = None,
+                       request_id: str | None = None, extra: dict[str, Any] | None = None) -> Generation:
+        """Continue ``req.token_ids`` by at most ``req.max_new_tokens`` sampled tokens.
+
+        ``stop_strings`` (a tool call's closing tag where the vocabulary has no single token for
+        it) need detokenisation; vLLM then ends the request on the token that completes the
+        string and keeps that token, so the ids stay exactly what was sampled."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         if not self.healthy:
             raise EngineUnhealthy(f"engine {self.index} is not serving")
+        text_stops = dict(stop=list(stop_strings), include_stop_str_in_output=True) if stop_strings else {}
         params = SamplingParams(
             max_tokens=req.max_new_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-            detokenize=False, stop_token_ids=list(stop_token_ids), skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY, **(extra or {}),
+            detokenize=bool(stop_strings), stop_token_ids=list(stop_token_ids), skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY, **text_stops, **(extra or {}),
         )
         rid = request_id or f"e{self.index}-{next(self._ids)}"
         final = None

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -25,12 +24,13 @@ from services.rollout.agent import (
     Generation,
     GenerateRequest,
     ToolOutcome,
+    ToolRequest,
     outcome_from_execution,
     run_agent,
     unavailable_outcome,
 )
 from services.rollout.scheduler import RolloutScheduler
-from shared import chat_format as cf
+from shared.formats import ConversationFormat, ToolResult
 from shared.events import RolloutTask, Trajectory, TrajectoryGroup
 from shared.logging import get_logger
 
@@ -64,8 +64,8 @@ class Engine(Protocol):
     def used_tokens(self) -> int: ...
 
     async def generate(self, req: GenerateRequest, *, temperature: float, top_p: float,
-                       stop_token_ids: list[int], request_id: str | None = None,
-                       extra: dict[str, Any] | None = None) -> Generation: ...
+                       stop_token_ids: list[int], stop_strings: list[str] | None = None,
+                       request_id: str | None = None, extra: dict[str, Any] | None = None) -> Generation: ...
 
 
 class AdmissionGate:
@@ -107,25 +107,6 @@ class AdmissionGate:
             SCHED_RESERVED.labels(str(eid)).set(e.reserved_tokens)
 
 
-@dataclass
-class Tokenizer:
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    tool_call_end_id: int
-    eos_id: int
-
-    @classmethod
-    def from_hf(cls, tok: Any) -> "Tokenizer":
-        vocab = tok.get_vocab()
-        ids = cf.require_special_tokens(vocab.get)
-        return cls(
-            encode=lambda text: tok.encode(text, add_special_tokens=False),
-            decode=lambda ids_: tok.decode(ids_, skip_special_tokens=False, clean_up_tokenization_spaces=False),
-            tool_call_end_id=ids[cf.TOOL_CALL_END],
-            eos_id=ids[cf.IM_END],
-        )
-
-
 class PromptTooLong(ValueError):
     """The rendered prompt leaves no room to generate within max_model_len."""
 
@@ -133,20 +114,18 @@ class PromptTooLong(ValueError):
 class RolloutRunner:
     """Generates the ``n_samples`` trajectories of a task on the engines."""
 
-    def __init__(self, engines: Sequence[Engine], gate: AdmissionGate, tokenizer: Tokenizer, tool_client: Any, *,
-                 max_model_len: int, tool_timeout_s: float, tool_response_max_chars: int,
-                 instance_id: str = "") -> None:
+    def __init__(self, engines: Sequence[Engine], gate: AdmissionGate, fmt: ConversationFormat, tool_client: Any, *,
+                 max_model_len: int, tool_timeout_s: float, instance_id: str = "") -> None:
         self.engines = list(engines)
         self.gate = gate
-        self.tok = tokenizer
+        self.fmt = fmt
         self.tools = tool_client
         self.max_model_len = max_model_len
         self.tool_timeout_s = tool_timeout_s
-        self.tool_response_max_chars = tool_response_max_chars
         self.instance_id = instance_id
 
     def prompt_ids(self, task: RolloutTask) -> list[int]:
-        ids = self.tok.encode(cf.render_prompt(task.prompt))
+        ids = self.fmt.prompt_ids(task.prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLong(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
         return ids
@@ -175,18 +154,14 @@ class RolloutRunner:
         engine_idx = await self.gate.acquire(rollout_id, len(prompt) + response_budget, len(prompt), task.task_id)
         ADMISSION_WAIT.observe(time.monotonic() - t0)
         engine = self.engines[engine_idx]
-        config = AgentConfig(
-            max_tokens=response_budget, max_turns=sp.max_turns, max_model_len=self.max_model_len,
-            tool_call_end_id=self.tok.tool_call_end_id, eos_id=self.tok.eos_id,
-            tool_response_max_chars=self.tool_response_max_chars,
-        )
-        loop = AgentLoop(f"{task.task_id}-{sample}", prompt, config, self.tok.encode, self.tok.decode)
+        config = AgentConfig(max_tokens=response_budget, max_turns=sp.max_turns, max_model_len=self.max_model_len)
+        loop = AgentLoop(f"{task.task_id}-{sample}", prompt, config, self.fmt)
         natural_end = False
         try:
             async def generate(req: GenerateRequest) -> Generation:
                 gen = await engine.generate(
-                    req, temperature=sp.temperature, top_p=sp.top_p, stop_token_ids=config.stop_token_ids,
-                    request_id=f"{rollout_id}/t{req.turn}",
+                    req, temperature=sp.temperature, top_p=sp.top_p, stop_token_ids=self.fmt.stop_token_ids,
+                    stop_strings=self.fmt.stop_strings, request_id=f"{rollout_id}/t{req.turn}",
                 )
                 GENERATED_TOKENS.inc(len(gen.token_ids))
                 return gen
@@ -201,17 +176,17 @@ class RolloutRunner:
         RESPONSE_TOKENS.observe(len(traj.response_token_ids))
         return traj
 
-    async def run_tool(self, code: str) -> ToolOutcome:
+    async def run_tool(self, call: ToolRequest) -> ToolOutcome:
         from services.tool_executor.client import ToolExecutorRequestError, ToolExecutorUnavailable
 
         t0 = time.monotonic()
         try:
-            result = await self.tools.execute(code, timeout_s=self.tool_timeout_s)
+            result = await self.tools.execute(call.code, stdin=call.stdin, timeout_s=self.tool_timeout_s)
         except ToolExecutorUnavailable as exc:
             outcome = unavailable_outcome(str(exc), (time.monotonic() - t0) * 1000)
         except ToolExecutorRequestError as exc:
             # The service refused this code as a request (e.g. too long): the model's doing.
-            outcome = ToolOutcome("error", f"ToolCallError: {exc}", (time.monotonic() - t0) * 1000)
+            outcome = ToolOutcome(ToolResult("error", stderr=f"ToolCallError: {exc}"), (time.monotonic() - t0) * 1000)
         else:
             outcome = outcome_from_execution(result.status, result.stdout, result.stderr, result.duration_ms,
                                              timeout_s=self.tool_timeout_s)

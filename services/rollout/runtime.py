@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from services.rollout.config import Settings
-from services.rollout.rollouts import AdmissionGate, PromptTooLong, RolloutRunner, Tokenizer, publish_engine_stats
+from services.rollout.rollouts import AdmissionGate, PromptTooLong, RolloutRunner, publish_engine_stats
 from services.rollout.scheduler import RolloutScheduler
 from services.rollout.weights import WeightUpdater, tensor_index
 from shared import topics
@@ -67,12 +67,12 @@ class RolloutService(Service):
         s = self.settings
         from services.rollout.engine import RolloutEngine
         from services.tool_executor.client import ToolExecutorClient
-        from lab.tiny_model import load_tokenizer
+        from shared.formats import load_format
 
         model_dir = s.model_path.resolve()
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"rollout model_path {model_dir} is not an HF model directory (no config.json)")
-        self.tokenizer = Tokenizer.from_hf(load_tokenizer(model_dir))
+        # Checked before any engine starts: a directory the format cannot use fails in a second.
+        self.fmt = load_format(model_dir, s.prompt_preset, tool_response_max_chars=s.tool_response_max_chars)
+        log.info("rollout_format", **{k: v for k, v in self.fmt.describe().items() if k != "tool_wrap"})
         reference = tensor_index(model_dir)
         self.engines = self._given_engines or [
             RolloutEngine(i, model=model_dir, dtype=s.dtype, block_size=s.block_size, max_model_len=s.max_model_len,
@@ -98,9 +98,8 @@ class RolloutService(Service):
         self.tool_client = ToolExecutorClient(s.tool_executor_urls, timeout_s=s.tool_timeout_s,
                                               max_attempts=s.tool_max_attempts)
         self.runner = RolloutRunner(
-            self.engines, AdmissionGate(self.scheduler), self.tokenizer, self.tool_client,
-            max_model_len=s.max_model_len, tool_timeout_s=s.tool_timeout_s,
-            tool_response_max_chars=s.tool_response_max_chars, instance_id=s.instance_id,
+            self.engines, AdmissionGate(self.scheduler), self.fmt, self.tool_client,
+            max_model_len=s.max_model_len, tool_timeout_s=s.tool_timeout_s, instance_id=s.instance_id,
         )
         self.weights = WeightUpdater(self.engines, reference, min(e.version for e in self.engines), run_id=s.run_id)
         self._engines_ready = True

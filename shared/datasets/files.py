@@ -1,99 +1,191 @@
-"""Loading problem sets from files (JSONL / Parquet). Pure data code: file reading only."""
+"""Loading problem sets from files (JSONL / JSON / Parquet). Pure data code: file reading only.
+
+:func:`load_problem_set` reads one or more files in order, detects each file's row schema from
+its columns (:mod:`shared.datasets.schemas`; or uses an explicit :class:`FieldMapping`),
+extracts the bare problem (the dataset's own answer instruction removed,
+:mod:`shared.datasets.prompts`), the cleaned gold answer (:mod:`shared.datasets.answers`) and
+the id, de-duplicates by normalised problem text across all files, and returns a
+:class:`ProblemSet`: the problems and a :class:`ProblemSetReport` (schema per file, rows read,
+duplicates dropped, bad rows skipped, answer kinds, conflicting answers).
+
+Bad rows: every row is checked before anything is returned; with ``on_bad_row="error"`` (the
+default) a :class:`ProblemSetError` lists ``file:row: field: reason`` for the first
+:attr:`ProblemSetError.MAX_LISTED` of them and gives the total; with ``on_bad_row="skip"`` bad
+rows are skipped and counted in the report. File-level problems (missing file, unknown file
+type or column layout, unreadable Parquet, no rows) are always errors.
+
+Ids: the dataset's own id when it has one, else ``p-<sha256(problem, answer)[:16]>``. Two
+different problems with one id are an error naming both places.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from shared.datasets.answers import answer_kind
 from shared.datasets.problem import Problem
+from shared.datasets.prompts import normalise_problem
+from shared.datasets.schemas import SCHEMAS, FieldError, FieldMapping, RowSchema, content_id, detect_schema
 
-# --------------------------------------------------------------------------- loading
+OnBadRow = Literal["error", "skip"]
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+JSON_SUFFIXES = (".json",)
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+# JSONL columns are the union of the keys (dotted, nested objects included) of this many rows.
+_DETECT_ROWS = 1000
+_PARQUET_BATCH_ROWS = 8192
+
+# --------------------------------------------------------------------------- errors
 
 
 @dataclass(frozen=True)
 class RowError:
     file: str
-    line: int  # JSONL line number or Parquet row number, 1-based
+    line: int  # JSONL line number or Parquet/JSON row number, 1-based; 0 for the whole file
+    field: str  # dotted path of the field at fault; "row" for the whole row, "file" for the file
     reason: str
 
+    @property
+    def row(self) -> int:
+        return self.line
+
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.reason}"
+        return f"{self.file}:{self.line}: {self.field}: {self.reason}"
 
 
 class ProblemSetError(ValueError):
-    """A problem set has bad rows (all of them listed in ``errors``) or cannot be read."""
+    """A problem set has bad rows or cannot be read. ``errors``: the first :attr:`MAX_KEPT`
+    errors (in file and row order); ``total``: how many there are."""
 
-    # At most this many rows are spelled out in the message; all are in ``errors``.
-    MAX_LISTED = 50
+    MAX_LISTED = 10  # spelled out in the message
+    MAX_KEPT = 1000  # kept in ``errors``
 
-    def __init__(self, errors: list[RowError]):
-        self.errors = errors
+    def __init__(self, errors: list[RowError], total: int | None = None):
+        self.errors = errors[: self.MAX_KEPT]
+        self.total = len(errors) if total is None else total
         shown = "\n".join(f"  {e}" for e in errors[: self.MAX_LISTED])
-        more = len(errors) - self.MAX_LISTED
+        more = self.total - min(len(errors), self.MAX_LISTED)
         tail = f"\n  ... and {more} more" if more > 0 else ""
-        super().__init__(f"{len(errors)} bad row(s) in problem set:\n{shown}{tail}")
+        hint = ""
+        if any(e.line > 0 for e in errors):
+            hint = "\n(dataset.on_bad_row: skip skips bad rows and counts them instead)"
+        first = f" (first {self.MAX_LISTED} listed)" if self.total > self.MAX_LISTED else ""
+        super().__init__(f"{self.total} error(s) in problem set{first}:\n{shown}{tail}{hint}")
 
 
-def parse_integer_answer(value: Any) -> str:
-    """The canonical decimal string of an integer answer; raises ValueError with the reason."""
-    if isinstance(value, bool):
-        raise ValueError(f"answer must be an integer, got boolean {value!r}")
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if value.is_integer() and abs(value) < 2**53:
-            return str(int(value))
-        raise ValueError(f"answer must be an integer, got {value!r}")
-    if isinstance(value, str):
-        text = value.strip()
-        body = text[1:] if text[:1] in ("+", "-") else text
-        if body.isascii() and body.isdigit():
-            return str(int(text))
-        raise ValueError(f"answer must be an integer, got {value!r}")
-    if value is None:
-        raise ValueError("missing 'answer'")
-    raise ValueError(f"answer must be an integer, got {type(value).__name__}")
+class _FileError(Exception):
+    def __init__(self, field: str, reason: str):
+        self.field, self.reason = field, reason
 
 
-def _prompt_text(value: Any) -> str:
-    if isinstance(value, str):
-        if not value.strip():
-            raise ValueError("'prompt' is empty")
-        return value
-    if isinstance(value, list):  # chat messages, as in the original DAPO-Math-17k parquet
-        users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
-        if not users or not isinstance(users[-1], str) or not users[-1].strip():
-            raise ValueError("'prompt' is a message list without a non-empty user message")
-        return users[-1]
-    if value is None:
-        raise ValueError("missing 'prompt'")
-    raise ValueError(f"'prompt' must be a string or a list of chat messages, got {type(value).__name__}")
+@dataclass(frozen=True)
+class _BadRow:
+    field: str
+    reason: str
 
 
-def _content_id(prompt: str, answer: str) -> str:
-    return "p-" + hashlib.sha256(f"{prompt}\0{answer}".encode()).hexdigest()[:16]
+# --------------------------------------------------------------------------- report
 
 
-def _row_to_problem(row: Any) -> Problem:
-    if not isinstance(row, dict):
-        raise ValueError(f"row must be a JSON object, got {type(row).__name__}")
-    prompt = _prompt_text(row.get("prompt"))
-    answer = parse_integer_answer(row.get("answer"))
-    raw_id = row.get("id")
-    if raw_id is None:
-        pid = _content_id(prompt, answer)
-    elif isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or str(raw_id).strip() == "":
-        raise ValueError(f"'id' must be a non-empty string or an integer, got {raw_id!r}")
-    else:
-        pid = str(raw_id)
-    return Problem(problem_id=pid, prompt=prompt, answer=answer)
+@dataclass
+class FileReport:
+    path: str
+    schema: str = "-"
+    rows: int = 0  # rows read (blank JSONL lines are not rows)
+    problems: int = 0  # kept from this file
+    duplicates: int = 0  # dropped: the same normalised problem as an earlier row (any file)
+    skipped: int = 0  # bad rows skipped (on_bad_row="skip")
 
 
-def _jsonl_rows(path: Path, errors: list[RowError]) -> Iterator[tuple[int, Any]]:
+@dataclass
+class ProblemSetReport:
+    files: list[FileReport] = field(default_factory=list)
+    dedupe: bool = True
+    answer_kinds: dict[str, int] = field(default_factory=dict)
+    conflicting_answers: int = 0  # duplicates whose answer differs from the kept row's
+    warnings: list[str] = field(default_factory=list)  # the first MAX_WARNINGS of them, spelled out
+    skipped_rows: list[RowError] = field(default_factory=list)  # the first MAX_WARNINGS skipped rows
+
+    MAX_WARNINGS = 10
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    @property
+    def problems(self) -> int:
+        return sum(f.problems for f in self.files)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(f.duplicates for f in self.files)
+
+    @property
+    def skipped(self) -> int:
+        return sum(f.skipped for f in self.files)
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as plain JSON values."""
+        return {
+            "files": [vars(f).copy() for f in self.files],
+            "rows": self.rows,
+            "problems": self.problems,
+            "duplicates": self.duplicates,
+            "skipped": self.skipped,
+            "dedupe": self.dedupe,
+            "answer_kinds": dict(self.answer_kinds),
+            "conflicting_answers": self.conflicting_answers,
+        }
+
+
+@dataclass
+class ProblemSet:
+    problems: list[Problem]
+    report: ProblemSetReport
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def __iter__(self) -> Iterator[Problem]:
+        return iter(self.problems)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _flat_keys(obj: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        yield name
+        if isinstance(value, Mapping):
+            yield from _flat_keys(value, name + ".")
+
+
+def _arrow_columns(schema) -> set[str]:
+    import pyarrow as pa
+
+    out: set[str] = set()
+
+    def walk(fields, prefix: str) -> None:
+        for f in fields:
+            name = f"{prefix}{f.name}"
+            out.add(name)
+            if pa.types.is_struct(f.type):
+                walk(list(f.type), name + ".")
+
+    walk(list(schema), "")
+    return out
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             if not raw.strip():
@@ -101,73 +193,211 @@ def _jsonl_rows(path: Path, errors: list[RowError]) -> Iterator[tuple[int, Any]]
             try:
                 yield lineno, json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                errors.append(RowError(str(path), lineno, f"not valid JSON: {exc}"))
+                yield lineno, _BadRow("row", f"not valid JSON: {exc}")
 
 
-def _parquet_rows(path: Path, errors: list[RowError]) -> Iterator[tuple[int, Any]]:
-    import pyarrow.parquet as pq
-
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     try:
-        table = pq.read_table(path)
-    except Exception as exc:  # noqa: BLE001 — pyarrow raises many types; report the reason
-        errors.append(RowError(str(path), 0, f"cannot read Parquet file: {exc}"))
-        return
-    for index, row in enumerate(table.to_pylist(), start=1):
-        yield index, row
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _FileError("file", f"not valid JSON: {exc}") from None
+    if isinstance(data, Mapping):  # {"data": [...]} / {"train": [...]}: one list of rows inside
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) == 1:
+            data = lists[0]
+    if not isinstance(data, list):
+        raise _FileError("file", "a .json file must hold a list of row objects (use .jsonl for one object a line)")
+    return iter(enumerate(data, start=1))
 
 
-def load_problems(paths: str | Path | Iterable[str | Path]) -> list[Problem]:
-    """Load and validate one or more ``.jsonl`` / ``.parquet`` files (in order).
+def _json_columns(rows: Iterator[tuple[int, Any]]) -> tuple[set[str], Iterator[tuple[int, Any]]]:
+    head = list(itertools.islice(rows, _DETECT_ROWS))
+    if not head:
+        raise _FileError("file", "no rows")
+    columns: set[str] = set()
+    for _, row in head:
+        if isinstance(row, Mapping):
+            columns.update(_flat_keys(row))
+    return columns, itertools.chain(head, rows)
 
-    Raises :class:`ProblemSetError` listing every bad row of every file (and duplicate ids
-    across them) before returning anything.
+
+class _ParquetSource:
+    def __init__(self, path: Path):
+        import pyarrow.parquet as pq
+
+        try:
+            self.file = pq.ParquetFile(path)
+        except Exception as exc:  # noqa: BLE001 — pyarrow raises many types; report the reason
+            raise _FileError("file", f"cannot read Parquet file: {exc}") from None
+        self.path = path
+        self.columns = _arrow_columns(self.file.schema_arrow)
+
+    def rows(self, schema: RowSchema) -> Iterator[tuple[int, Any]]:
+        top = [c for c in self.file.schema_arrow.names if c in schema.top_level_columns()]
+        index = 0
+        try:
+            for batch in self.file.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=top):
+                for row in batch.to_pylist():
+                    index += 1
+                    yield index, row
+        except OSError as exc:  # a corrupt page / column chunk
+            raise _FileError("file", f"cannot read Parquet file after row {index}: {exc}") from None
+
+
+def _columns_and_rows(path: Path) -> tuple[set[str], Any]:
+    """(columns, a function schema -> iterator of (row number, row))."""
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        source = _ParquetSource(path)
+        return source.columns, source.rows
+    if suffix in JSONL_SUFFIXES or suffix in JSON_SUFFIXES:
+        rows = _jsonl_rows(path) if suffix in JSONL_SUFFIXES else _json_rows(path)
+        columns, rows = _json_columns(rows)
+        return columns, lambda schema: rows
+    known = ", ".join(JSONL_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)
+    raise _FileError("file", f"unknown file type {suffix!r} (one of {known})")
+
+
+def _choose_schema(columns: set[str], mapping: FieldMapping | None) -> RowSchema:
+    shown = ", ".join(sorted(c for c in columns if "." not in c)) or "none"
+    if mapping is not None:
+        missing = mapping.missing_columns(columns)
+        if missing:
+            raise _FileError("columns", f"the field mapping reads {', '.join(missing)}, but the file's columns are {shown}")
+        return mapping
+    schema = detect_schema(columns)
+    if schema is None:
+        known = "; ".join(f"{s.name} ({' + '.join(s.required)})" for s in SCHEMAS)
+        nested = sorted(c for c in columns if "." in c)
+        more = f" (nested: {', '.join(nested[:20])})" if nested else ""
+        raise _FileError("columns", f"unknown column layout: columns {shown}{more}; known schemas: {known}; "
+                                    "map the fields explicitly (dataset.fields / --field prompt=PATH --field answer=PATH)")
+    return schema
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _answer_key(answer: str) -> str:
+    return "".join(answer.split())
+
+
+def load_problem_set(
+    paths: str | Path | Iterable[str | Path],
+    *,
+    fields: FieldMapping | Mapping[str, str | None] | Iterable[str] | None = None,
+    on_bad_row: OnBadRow = "error",
+    dedupe: bool = True,
+) -> ProblemSet:
+    """Load, validate and de-duplicate one or more problem-set files (see the module docstring).
+
+    ``fields``: an explicit field mapping (``{"prompt": ..., "answer": ..., "id": ...}`` dotted
+    paths, or ``["prompt=a.b", ...]``) used for every file instead of schema detection.
     """
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if isinstance(paths, (str, Path)):
         paths = [paths]
+    mapping = FieldMapping.parse(fields) if fields else None
+
+    report = ProblemSetReport(dedupe=dedupe)
     errors: list[RowError] = []
+    n_errors = 0
     problems: list[Problem] = []
-    first_seen: dict[str, tuple[str, int]] = {}
+    by_key: dict[str, tuple[int, str, int]] = {}  # normalised problem -> (index in problems, file, row)
+    by_id: dict[str, tuple[str, int, str]] = {}  # problem id -> (file, row, normalised problem)
+    content_repeats: Counter[str] = Counter()
+
+    def error(err: RowError) -> None:
+        nonlocal n_errors
+        n_errors += 1
+        if len(errors) < ProblemSetError.MAX_KEPT:
+            errors.append(err)
+
     for p in paths:
         path = Path(p)
-        if not path.is_file():
-            errors.append(RowError(str(path), 0, "file not found"))
-            continue
-        suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".ndjson"):
-            rows = _jsonl_rows(path, errors)
-        elif suffix in (".parquet", ".pq"):
-            rows = _parquet_rows(path, errors)
-        else:
-            errors.append(RowError(str(path), 0, f"unknown file type {suffix!r} (use .jsonl or .parquet)"))
-            continue
-        n_rows = 0
-        for lineno, row in rows:
-            n_rows += 1
-            try:
-                problem = _row_to_problem(row)
-            except ValueError as exc:
-                errors.append(RowError(str(path), lineno, str(exc)))
-                continue
-            if problem.problem_id in first_seen:
-                f, ln = first_seen[problem.problem_id]
-                errors.append(RowError(str(path), lineno, f"duplicate id {problem.problem_id!r} (first at {f}:{ln})"))
-                continue
-            first_seen[problem.problem_id] = (str(path), lineno)
-            problems.append(problem)
-        if n_rows == 0 and not any(e.file == str(path) for e in errors):
-            errors.append(RowError(str(path), 0, "no rows"))
-    if errors:
-        raise ProblemSetError(errors)
-    return problems
+        name = str(path)
+        file_report = FileReport(name)
+        report.files.append(file_report)
+
+        def bad(line: int, fld: str, reason: str) -> None:
+            err = RowError(name, line, fld, reason)
+            if on_bad_row == "skip":
+                file_report.skipped += 1
+                if len(report.skipped_rows) < report.MAX_WARNINGS:
+                    report.skipped_rows.append(err)
+            else:
+                error(err)
+
+        try:
+            if not path.is_file():
+                raise _FileError("file", "file not found")
+            columns, open_rows = _columns_and_rows(path)
+            schema = _choose_schema(columns, mapping)
+            file_report.schema = schema.name
+            for line, row in open_rows(schema):
+                file_report.rows += 1
+                if isinstance(row, _BadRow):
+                    bad(line, row.field, row.reason)
+                    continue
+                if not isinstance(row, Mapping):
+                    bad(line, "row", f"not a JSON object (a {type(row).__name__})")
+                    continue
+                try:
+                    ex = schema.extract(row)
+                except FieldError as exc:
+                    bad(line, exc.field, exc.reason)
+                    continue
+                key = normalise_problem(ex.prompt)
+                if dedupe and key in by_key:
+                    index, first_file, first_line = by_key[key]
+                    file_report.duplicates += 1
+                    kept = problems[index].answer
+                    if _answer_key(kept) != _answer_key(ex.answer):
+                        report.conflicting_answers += 1
+                        if len(report.warnings) < report.MAX_WARNINGS:
+                            report.warnings.append(
+                                f"{name}:{line}: the problem of {first_file}:{first_line} with another answer "
+                                f"({ex.answer!r}; kept {kept!r})")
+                    continue
+                pid = ex.problem_id
+                if pid is None:
+                    pid = content_id(ex.prompt, ex.answer)
+                    content_repeats[pid] += 1
+                    if content_repeats[pid] > 1:  # the same row again, kept because dedupe is off
+                        pid = f"{pid}-{content_repeats[pid]}"
+                if pid in by_id:
+                    first_file, first_line, first_key = by_id[pid]
+                    what = "another problem" if first_key != key else "the same problem (dedupe is off)"
+                    bad(line, schema.id_field or "id",
+                        f"duplicate id {pid!r}: {what} has it at {first_file}:{first_line}")
+                    continue
+                by_id[pid] = (name, line, key)
+                by_key.setdefault(key, (len(problems), name, line))
+                problems.append(Problem(problem_id=pid, prompt=ex.prompt, answer=ex.answer))
+                file_report.problems += 1
+            if file_report.rows == 0:
+                raise _FileError("file", "no rows")
+        except _FileError as exc:
+            error(RowError(name, 0, exc.field, exc.reason))
+
+    if n_errors:
+        raise ProblemSetError(errors, n_errors)
+    report.answer_kinds = dict(Counter(answer_kind(p.answer) for p in problems).most_common())
+    return ProblemSet(problems, report)
+
+
+def load_problems(paths: str | Path | Iterable[str | Path], **options: Any) -> list[Problem]:
+    """The problems of :func:`load_problem_set` (same options), without the report."""
+    return load_problem_set(paths, **options).problems
 
 
 def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
-    """Write problems as DAPO-style JSONL rows (what ``load_problems`` reads back)."""
+    """Write problems as the project's own JSONL rows (``id``, ``prompt``, ``answer``: what
+    ``load_problems`` reads back)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as fh:
         for p in problems:
             fh.write(json.dumps(p.to_row(), ensure_ascii=False) + "\n")
     return out
-
-

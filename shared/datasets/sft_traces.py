@@ -1,34 +1,36 @@
-"""Stage-0 SFT traces: tool-using solutions of generated problems, in the rollout's format.
+"""Stage-0 SFT traces: tool-using solutions of generated problems, rendered through a model's
+conversation format (``shared.formats``: its chat template, the preset's wording).
 
-A trace is one assistant message in the format of ``shared/chat_format.py``::
+A trace is a list of *steps* — the model says something, calls the tool, reads a result,
+answers — independent of any model::
 
-    {reasoning}\\n<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>
-    \\n<tool_response>\\n{REAL output of that code}\\n</tool_response>\\n
-    [{reasoning about the error}\\n<tool_call>...fixed code...</tool_call>\\n<tool_response>...]
-    <answer>The answer is \\boxed{N}</answer><|im_end|>
+    say("Python's pow with a modulus computes this directly.")  call("print(pow(7, 222, 1000))")
+    result(ok, stdout="49\n")  answer("49")
+
+:func:`render_trace` turns the steps into token ids for one format: the prompt
+(``fmt.prompt_ids(problem)``, the template's own rendering), then *model segments* (what was
+said plus ``fmt.tool_call_text(code)``; the last one ends with the answer and the template's
+end-of-turn token) and *tool segments* (``fmt.tool_response_ids(result)``, exactly what the
+rollout appends). The same steps give a Qwen3 trace and a tiny-model trace.
 
 The code is written from the problem's ``kind`` / ``params`` (``shared/datasets/generated.py``)
 in one of a few equivalent styles, and is *run* at generation time (in-process ``exec``: the
 code is our own, trusted and fast; errors are reported exactly as the tool executor reports
-them and stdout/stderr joined as the rollout joins them, see ``run_code``) so every
-``<tool_response>`` holds what the program really printed; the trace fails loudly if the printed value is not the problem's answer. About
-``BUGGY_FRACTION`` of traces start with a buggy call (an undefined name, a missing import, a
-function that does not exist, a type error) whose real traceback is shown and which the next
-call fixes: the model sees how to recover from tool errors. Each buggy call is executed and
-must fail; each fixed call must succeed (checked, not assumed).
+them, see ``run_code``) so every tool result holds what the program really printed; the trace
+fails loudly if the printed value is not the problem's answer. About ``BUGGY_FRACTION`` of
+traces start with a buggy call (an undefined name, a missing import, a function that does not
+exist, a type error) whose real traceback is shown and which the next call fixes: the model
+sees how to recover from tool errors. Each buggy call is executed and must fail; each fixed
+call must succeed (checked, not assumed).
 
 Tokenisation — segment by segment, exactly like the rollout
 ---------------------------------------------------------
-The rollout builds a response from separately tokenised pieces: the tokens the model samples
-up to and including the stop token ``</tool_call>``, then the tool response
-(``chat_format.format_tool_response(output)``, i.e. ``"\\n<tool_response>\\n...\\n</tool_response>\\n"``)
-tokenised ON ITS OWN and appended with loss_mask 0, then the next sampled tokens, and so on
-until ``<|im_end|>``. A trace is therefore tokenised the same way: the prompt
-(``render_prompt(problem)``) alone, then each model segment and each tool segment alone,
-without special-token insertion, and concatenated. Tokenising the whole text at once could
-merge bytes across a segment boundary and produce ids the rollout never sees. The mask is 1 on
-every model-segment token (including ``</tool_call>`` and the final ``<|im_end|>``) and 0 on
-every tool-segment token, so decoding the mask-1 tokens gives exactly the model-written text.
+The rollout builds a response from separately tokenised pieces: the tokens the model samples up
+to and including the tool call's closing tag, then the tool segment tokenised ON ITS OWN and
+appended with loss_mask 0, then the next sampled tokens, and so on until an end token. A trace
+is tokenised the same way: tokenising the whole text at once could merge bytes across a segment
+boundary and produce ids the rollout never sees. The mask is 1 on every model-segment token and
+0 on every tool-segment token.
 
 Copy drills
 -----------
@@ -37,9 +39,13 @@ the printed result into ``\\boxed{}``. A tiny model learns copying slowly from w
 (a copied digit is about one loss token in eight): after 12 minutes on two cores it still wrote
 the first digit and then repeated it ("1111222" for "6481728"), scoring 0 on held-out problems.
 :func:`make_copy_drill` adds short examples whose loss tokens are almost all copied digits —
-``Repeat 48213 * 731 + 2290`` answered by ``<answer>The answer is \\boxed{48213 * 731 + 2290}</answer>`` —
-without the system prompt (3x cheaper; they teach a skill, not the format). With them the
-copy circuit forms within the bootstrap budget (docs/data.md has the measurements).
+``Repeat 48213 * 731 + 2290`` answered by ``The answer is \\boxed{48213 * 731 + 2290}`` in the
+format's answer wording — with a bare prompt (no system turn: 3x cheaper; they teach a skill,
+not the format). With them the copy circuit forms within the bootstrap budget (docs/data.md).
+
+Chat-message rows: :func:`steps_from_messages` reads an OpenAI-style conversation (``system`` /
+``user`` / ``assistant`` with ``tool_calls`` / ``tool`` messages) into the same steps, so an SFT
+set written for any chat model trains through this model's format.
 
 Rows written by :func:`write_traces_jsonl`: ``{"problem_id", "prompt_token_ids",
 "response_token_ids", "loss_mask"}`` — ``services/learner`` packs them as ``TrainSequence``.
@@ -58,9 +64,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared import chat_format as cf
-
 from shared.datasets.problem import Problem
+from shared.formats import ConversationFormat, ToolResult
+from shared.formats.tags import tool_output_text
 
 # Fraction of traces whose first tool call is buggy and fixed by the second (as in the
 # platform experiment: enough to teach recovery, few enough not to teach sloppy first calls).
@@ -73,7 +79,16 @@ BUGGY_FRACTION = 0.2
 @dataclass(frozen=True)
 class CodeRun:
     ok: bool
-    output: str  # what the tool response shows (see ``tool_output_text``)
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        """stdout and stderr as the plain presets show them."""
+        return tool_output_text(self.stdout, self.stderr)
+
+    def result(self) -> ToolResult:
+        return ToolResult("ok" if self.ok else "error", self.stdout, self.stderr)
 
 
 # The file name the tool executor compiles cells under (services/tool_executor/zygote.py), so
@@ -87,7 +102,7 @@ def run_code(code: str) -> CodeRun:
     Mirrors ``services/tool_executor/zygote.py``: the cell is compiled as ``<cell>`` with its
     source registered in ``linecache`` (tracebacks show the failing line), errors are printed
     by ``traceback.print_exception`` starting at the cell's frame, stdout and stderr are kept
-    apart and joined by :func:`tool_output_text`.
+    apart (a preset decides how they are shown).
     """
     out, err = io.StringIO(), io.StringIO()
     namespace: dict[str, Any] = {"__name__": "__main__"}
@@ -100,11 +115,7 @@ def run_code(code: str) -> CodeRun:
         ok = False
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # start at the cell's frame
         traceback.print_exception(type(exc), exc, tb, file=err)
-    return CodeRun(ok, tool_output_text(out.getvalue(), err.getvalue()))
-
-
-# The rollout composes tool responses with the same function (shared.chat_format).
-tool_output_text = cf.tool_output_text
+    return CodeRun(ok, out.getvalue(), err.getvalue())
 
 
 # --------------------------------------------------------------------------- code per kind
@@ -224,26 +235,53 @@ _OPENERS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class Segment:
-    text: str
-    from_model: bool  # True: written by the model (loss 1); False: tool response (loss 0)
+class Step:
+    """One step of a trace: ``say`` (model text), ``call`` (model: a tool call's code),
+    ``result`` (tool: a ToolResult), ``tool_text`` (tool: a result body given as text, from chat
+    data), ``answer`` (model: the final answer value)."""
+
+    kind: str
+    text: str = ""
+    result: ToolResult | None = None
+    stdin: str | None = None
 
 
 @dataclass(frozen=True)
 class Trace:
     problem: Problem
-    segments: tuple[Segment, ...]
-    buggy_first_call: bool
-    codes: tuple[str, ...]  # every tool call's code, in order
-    system: str | None = cf.SYSTEM_PROMPT  # the prompt's system turn (None for copy drills)
+    steps: tuple[Step, ...]
+    buggy_first_call: bool = False
+    codes: tuple[str, ...] = ()  # every tool call's code, in order
+    bare: bool = False  # a bare prompt (no system turn, no preset wording): the copy drills
+    chat: bool = False  # from chat data: the prompt is the data's own system and user messages
+    system: str | None = None  # chat data's system message
 
-    @property
-    def response_text(self) -> str:
-        return "".join(s.text for s in self.segments)
+    def segments(self, fmt: ConversationFormat) -> list[tuple[str, bool]]:
+        """(text, from_model) segments in ``fmt``; model segments end at a tool call or the end."""
+        out: list[tuple[str, bool]] = []
+        model = ""
+        for step in self.steps:
+            if step.kind == "say":
+                model += step.text
+            elif step.kind == "call":
+                model += fmt.tool_call_text(step.text, step.stdin)
+            elif step.kind == "answer":
+                model += fmt.answer_text(step.text)
+            elif step.kind in ("result", "tool_text"):
+                if model:
+                    out.append((model, True))
+                    model = ""
+                out.append((fmt.tool_response_text(step.result if step.kind == "result" else step.text), False))
+            else:
+                raise ValueError(f"unknown trace step {step.kind!r}")
+        out.append((model + fmt.end_of_turn_text, True))
+        return out
 
-    @property
-    def model_text(self) -> str:
-        return "".join(s.text for s in self.segments if s.from_model)
+    def response_text(self, fmt: ConversationFormat) -> str:
+        return "".join(text for text, _ in self.segments(fmt))
+
+    def model_text(self, fmt: ConversationFormat) -> str:
+        return "".join(text for text, from_model in self.segments(fmt) if from_model)
 
 
 class TraceError(RuntimeError):
@@ -257,7 +295,7 @@ def make_trace(problem: Problem, rng: random.Random, *, buggy: bool | None = Non
     kind, params = problem.kind, dict(problem.params)
     if buggy is None:
         buggy = rng.random() < BUGGY_FRACTION
-    segments: list[Segment] = []
+    steps: list[Step] = []
     codes: list[str] = []
     lead = rng.choice(_OPENERS[kind]) + "\n"
     if buggy:
@@ -265,8 +303,7 @@ def make_trace(problem: Problem, rng: random.Random, *, buggy: bool | None = Non
         run = run_code(bad_code)
         if run.ok:
             raise TraceError(f"buggy code for {problem.problem_id} ran without error:\n{bad_code}")
-        segments.append(Segment(lead + cf.format_tool_call(bad_code), True))
-        segments.append(Segment(cf.format_tool_response(run.output), False))
+        steps += [Step("say", lead), Step("call", bad_code), Step("result", result=run.result())]
         codes.append(bad_code)
         lead = fix_note + "\n"
     else:
@@ -276,11 +313,10 @@ def make_trace(problem: Problem, rng: random.Random, *, buggy: bool | None = Non
         raise TraceError(
             f"solution code for {problem.problem_id} printed {run.output!r}, expected {problem.answer!r}:\n{code}"
         )
-    segments.append(Segment(lead + cf.format_tool_call(code), True))
-    segments.append(Segment(cf.format_tool_response(run.output), False))
+    steps += [Step("say", lead), Step("call", code), Step("result", result=run.result()),
+              Step("answer", run.stdout.strip())]
     codes.append(code)
-    segments.append(Segment(cf.format_answer(run.output.strip()) + cf.IM_END, True))
-    return Trace(problem=problem, segments=tuple(segments), buggy_first_call=buggy, codes=tuple(codes))
+    return Trace(problem=problem, steps=tuple(steps), buggy_first_call=buggy, codes=tuple(codes))
 
 
 def make_traces(problems: Iterable[Problem], *, seed: int) -> list[Trace]:
@@ -304,8 +340,7 @@ def make_copy_drill(rng: random.Random, index: int) -> Trace:
         op = " " + rng.choice("*+-,") + " "
         text = op.join(_drill_number(rng, 1, 6) for _ in range(rng.randint(2, 3)))
     problem = Problem(problem_id=f"drill-{index}", prompt=f"Repeat {text}", answer=text)
-    return Trace(problem=problem, segments=(Segment(cf.format_answer(text) + cf.IM_END, True),),
-                 buggy_first_call=False, codes=(), system=None)
+    return Trace(problem=problem, steps=(Step("answer", text),), bare=True)
 
 
 def make_copy_drills(n: int, *, seed: int) -> list[Trace]:
@@ -329,29 +364,84 @@ class TokenizedTrace:
         }
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def tokenize_trace(trace: Trace, tokenizer) -> TokenizedTrace:
-    """Token ids and loss mask, built segment by segment (see the module docstring)."""
-    prompt_ids = _encode(tokenizer, cf.render_prompt(trace.problem.prompt, system=trace.system))
+def render_trace(trace: Trace, fmt: ConversationFormat) -> TokenizedTrace:
+    """Token ids and loss mask in ``fmt``, built segment by segment (see the module docstring)."""
+    if trace.chat:
+        prompt_ids = fmt.encode(fmt.chat_prompt_text(trace.problem.prompt, trace.system))
+    else:
+        prompt_ids = fmt.prompt_ids(trace.problem.prompt, bare=trace.bare)
     response: list[int] = []
     mask: list[int] = []
-    for seg in trace.segments:
-        ids = _encode(tokenizer, seg.text)
+    for text, from_model in trace.segments(fmt):
+        ids = fmt.encode(text)
         response.extend(ids)
-        mask.extend([1 if seg.from_model else 0] * len(ids))
+        mask.extend([1 if from_model else 0] * len(ids))
     return TokenizedTrace(trace.problem.problem_id, prompt_ids, response, mask)
 
 
-def write_traces_jsonl(traces: Sequence[Trace], tokenizer, path: str | Path) -> Path:
+def write_traces_jsonl(traces: Sequence[Trace], fmt: ConversationFormat, path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as fh:
         for t in traces:
-            fh.write(json.dumps(tokenize_trace(t, tokenizer).to_row()) + "\n")
+            fh.write(json.dumps(render_trace(t, fmt).to_row()) + "\n")
     return out
+
+
+# --------------------------------------------------------------------------- chat-message rows
+
+
+class ChatDataError(ValueError):
+    """A chat-message row the trace reader cannot use (the message names the reason)."""
+
+
+def steps_from_messages(messages: Any, fmt: ConversationFormat, problem_id: str = "") -> Trace:
+    """An OpenAI-style conversation as a trace: the system and first user message make the
+    prompt (as given: the data's own wording), every later assistant message (its content, then
+    its ``tool_calls`` of the format's tool, ``arguments`` a JSON string or object with ``code``)
+    and ``tool`` message become steps. The conversation must end with an assistant message."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatDataError("'messages' must be a non-empty list")
+    system = None
+    rest = list(messages)
+    if isinstance(rest[0], dict) and rest[0].get("role") == "system":
+        system = rest.pop(0).get("content")
+        if not isinstance(system, str):
+            raise ChatDataError("messages[0]: system content must be a string")
+    if not rest or not isinstance(rest[0], dict) or rest[0].get("role") != "user" or not isinstance(rest[0].get("content"), str):
+        raise ChatDataError("the conversation must start with a user message (after an optional system message)")
+    user = rest.pop(0)["content"]
+    if not rest or rest[-1].get("role") != "assistant":
+        raise ChatDataError("the conversation must end with an assistant message")
+    steps: list[Step] = []
+    for i, m in enumerate(rest, start=1 + (system is not None) + 1):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "assistant":
+            if m.get("content"):
+                steps.append(Step("say", str(m["content"])))
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function", call) if isinstance(call, dict) else None
+                name = fn.get("name") if isinstance(fn, dict) else None
+                if name != fmt.preset.tool_name:
+                    raise ChatDataError(f"messages[{i - 1}]: tool call of {name!r}; the format's tool is {fmt.preset.tool_name!r}")
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError as exc:
+                        raise ChatDataError(f"messages[{i - 1}]: tool call arguments are not JSON: {exc}") from None
+                if not isinstance(args, dict) or not isinstance(args.get("code"), str):
+                    raise ChatDataError(f"messages[{i - 1}]: tool call arguments need a string 'code'")
+                steps.append(Step("call", args["code"], stdin=args.get("input")))
+        elif role == "tool":
+            content = m.get("content")
+            if not isinstance(content, str):
+                raise ChatDataError(f"messages[{i - 1}]: tool content must be a string")
+            steps.append(Step("tool_text", content))
+        else:
+            raise ChatDataError(f"messages[{i - 1}]: unexpected role {role!r} after the user message")
+    problem = Problem(problem_id=problem_id, prompt=user, answer="")
+    return Trace(problem=problem, steps=tuple(steps), chat=True, system=system)
 
 
 def read_traces_jsonl(path: str | Path) -> list[TokenizedTrace]:

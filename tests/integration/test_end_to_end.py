@@ -44,6 +44,7 @@ def _cluster(tmp_path, stack, topic_prefix, run_cfg: RunConfig, run_id: str) -> 
 def _run_config(model, **kw) -> RunConfig:
     base = dict(
         name="e2e", model=str(model), dataset={"kind": "generated", "n_train": 50, "n_eval": 5, "seed": 0},
+        format={"preset": "compact"},
         group_size=2, n_samples=4, batch_groups=2, max_staleness=1, lr=1e-4, warmup_steps=0,
         stages=[{"stage": 1, "steps": 3, "max_tokens": 48, "max_turns": 2}],
     )

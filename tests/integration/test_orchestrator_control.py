@@ -6,6 +6,7 @@ the learner's heartbeats, which tell the orchestrator that someone trains the ru
 from __future__ import annotations
 
 import asyncio
+import shutil
 from datetime import timedelta
 
 import pytest
@@ -230,10 +231,14 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
 
 
 def test_bad_run_configs_fail_clearly(tmp_path):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    good = {"model": str(model), "stages": [{"stage": 1, "steps": 1, "max_tokens": 10, "max_turns": 1}]}
+    from lab.tiny_model import create_random_model
+
+    model = create_random_model(tmp_path / "m", seed=0, hidden=64, layers=1, heads=2, intermediate=64)
+    no_template = tmp_path / "no-template"
+    shutil.copytree(model, no_template)
+    (no_template / "chat_template.jinja").unlink()
+    good = {"model": str(model), "format": {"preset": "compact"},
+            "stages": [{"stage": 1, "steps": 1, "max_tokens": 10, "max_turns": 1}]}
 
     def write(d):
         p = tmp_path / "run.yaml"
@@ -246,7 +251,9 @@ def test_bad_run_configs_fail_clearly(tmp_path):
         ({**good, "stages": [{"stage": 2, "steps": 1, "max_tokens": 1, "max_turns": 1},
                              {"stage": 1, "steps": 1, "max_tokens": 1, "max_turns": 1}]}, "increasing order"),
         ({**good, "bogus": 1}, "bogus: Extra inputs are not permitted"),
-        ({**good, "model": str(tmp_path / "nope")}, "is not a model directory"),
+        ({**good, "model": str(tmp_path / "nope")}, "does not exist"),
+        ({**good, "model": str(no_template)}, "no chat template"),
+        ({**good, "format": {"preset": "fancy"}}, "unknown prompt preset 'fancy'"),
         ({**good, "dataset": {"kind": "file"}}, "needs dataset.paths"),
         ({**good, "max_staleness": -1}, "max_staleness"),
         ({**good, "services": {"lerner": {}}}, "unknown service 'lerner'"),
@@ -262,7 +269,7 @@ def test_bad_run_configs_fail_clearly(tmp_path):
     sections = tuned.service_settings()
     assert sections["learner"]["torch_threads"] == 1 and sections["learner"]["lr"] == 3e-4
     assert sections["learner"]["groups_per_step"] == tuned.batch_groups
-    assert sections["rollout"] == {"model_path": str(model), "max_num_seqs": 64}
+    assert sections["rollout"] == {"model_path": str(model), "prompt_preset": "compact", "max_num_seqs": 64}
 
 
 async def test_a_run_with_an_invalid_config_fails_without_stalling_the_others(stack, topic_prefix, db_engine):

@@ -29,15 +29,15 @@ pytest.importorskip("vllm")
 
 from aiokafka import AIOKafkaConsumer  # noqa: E402
 
-from services.rollout.agent import Generation, GenerateRequest  # noqa: E402
+from vllm_helpers import ForcedEngine, score  # noqa: E402
 from services.rollout.config import Settings  # noqa: E402
-from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer  # noqa: E402
+from services.rollout.rollouts import AdmissionGate, RolloutRunner  # noqa: E402
 from services.rollout.scheduler import RolloutScheduler  # noqa: E402
 from services.rollout.weights import WeightUpdater, tensor_index  # noqa: E402
-from shared import chat_format as cf  # noqa: E402
 from shared import topics  # noqa: E402
 from shared.checkpoint import checkpoint_sha256, uri_for  # noqa: E402
 from shared.events import RolloutTask, SamplingParams, TrajectoryGroup, WeightVersion, decode, utcnow  # noqa: E402
+from shared.formats import ConversationFormat, ToolResult, load_format  # noqa: E402
 from shared.kafka import EventProducer, ensure_topics  # noqa: E402
 from shared.runtime import run_service  # noqa: E402
 from shared.settings import load_settings  # noqa: E402
@@ -74,10 +74,9 @@ async def engine(model_root):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_root) -> Tokenizer:
-    from lab.tiny_model import load_tokenizer
-
-    return Tokenizer.from_hf(load_tokenizer(model_root / "v0"))
+def tokenizer(model_root) -> ConversationFormat:
+    """The tiny model's conversation format (its chat template, the compact preset)."""
+    return load_format(model_root / "v0", "compact", tool_response_max_chars=256)
 
 
 @pytest.fixture(scope="module")
@@ -86,60 +85,6 @@ def tool_server():
 
     with running_server({"RSTAR_TOOL_EXECUTOR_WORKERS": "1", "RSTAR_TOOL_EXECUTOR_UID_BASE": "350000"}) as srv:
         yield srv
-
-
-class ForcedEngine:
-    """Scripted token-level policy run through the real engine (see module docstring)."""
-
-    def __init__(self, engine, tokenizer: Tokenizer, turns: list[str]):
-        self.engine = engine
-        self.index = engine.index
-        self.tok = tokenizer
-        self.turns = turns
-
-    @property
-    def version(self):
-        return self.engine.version
-
-    @property
-    def capacity_tokens(self):
-        return self.engine.capacity_tokens
-
-    @property
-    def used_tokens(self):
-        return self.engine.used_tokens
-
-    async def generate(self, req: GenerateRequest, *, temperature, top_p, stop_token_ids, request_id=None, extra=None):
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        forced = self.tok.encode(self.turns[req.turn - 1])[: req.max_new_tokens]
-        prompt = list(req.token_ids) + forced[:-1]
-        params = VSP(max_tokens=1, temperature=temperature, top_p=top_p, logprobs=0, prompt_logprobs=0,
-                     detokenize=False, allowed_token_ids=[forced[-1]], stop_token_ids=stop_token_ids,
-                     output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
-        async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id or uuid.uuid4().hex):
-            final = out
-        comp = final.outputs[0]
-        assert list(comp.token_ids) == [forced[-1]]
-        plp = final.prompt_logprobs[len(req.token_ids):]
-        logprobs = [float(d[t].logprob) for d, t in zip(plp, forced[:-1])]
-        logprobs.append(float(comp.logprobs[0][forced[-1]].logprob))
-        return Generation(forced, logprobs, [self.engine.version] * len(forced))
-
-
-async def score(engine, token_ids: list[int]) -> list[float | None]:
-    """The engine's logprob of every token of ``token_ids`` given the tokens before it."""
-    from vllm import SamplingParams as VSP
-    from vllm.inputs import TokensPrompt
-
-    params = VSP(max_tokens=1, prompt_logprobs=0, logprobs=0, detokenize=False)
-    final = None
-    async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id=uuid.uuid4().hex):
-        final = out
-    return [None if d is None else float(d[t].logprob) for d, t in zip(final.prompt_logprobs, token_ids)]
 
 
 def make_task(n: int = 2, max_tokens: int = 400, max_turns: int = 5, **kw) -> RolloutTask:
@@ -157,15 +102,15 @@ def runner_for(engines, tokenizer, urls, *, tool_timeout_s=5.0, max_attempts=3) 
     sched = RolloutScheduler({e.index: e.capacity_tokens for e in engines}, block_size=32)
     client = ToolExecutorClient(urls, max_attempts=max_attempts, backoff_initial_s=0.01, backoff_max_s=0.05)
     return RolloutRunner(engines, AdmissionGate(sched), tokenizer, client, max_model_len=MAX_MODEL_LEN,
-                         tool_timeout_s=tool_timeout_s, tool_response_max_chars=256)
+                         tool_timeout_s=tool_timeout_s)
 
 
 # --------------------------------------------------------------------------- agent loop
 
 
 async def test_multi_turn_tool_call_round_trip(engine, tokenizer, tool_server):
-    turn1 = "I will compute this." + cf.format_tool_call("print(6 * 7)")
-    turn2 = "The tool says 42. " + cf.format_answer("42") + cf.IM_END
+    turn1 = "I will compute this." + tokenizer.tool_call_text("print(6 * 7)")
+    turn2 = "The tool says 42. " + tokenizer.answer_text("42") + tokenizer.end_of_turn_text
     runner = runner_for([ForcedEngine(engine, tokenizer, [turn1, turn2])], tokenizer, [tool_server.url])
     task = make_task(n=2)
     group = await runner.run_task(task)
@@ -177,14 +122,14 @@ async def test_multi_turn_tool_call_round_trip(engine, tokenizer, tool_server):
         assert [(t.status, t.code) for t in traj.tool_calls] == [("ok", "print(6 * 7)")]
         assert traj.tool_calls[0].output.strip() == "42"
         t1 = tokenizer.encode(turn1)
-        block = tokenizer.encode(cf.format_tool_response("42\n", 256))
+        block = tokenizer.tool_response_ids(ToolResult("ok", "42\n"))
         t2 = tokenizer.encode(turn2)
         assert traj.response_token_ids == t1 + block + t2
         assert traj.loss_mask == [1] * len(t1) + [0] * len(block) + [1] * len(t2)
         assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask) if m == 0)
         assert all(lp < 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask) if m == 1)
         assert set(traj.token_versions) == {engine.version}
-        assert traj.response_text.endswith(cf.format_answer("42") + cf.IM_END)
+        assert traj.response_text.endswith(tokenizer.answer_text("42") + tokenizer.end_of_turn_text)
         # logprobs are aligned with the model tokens: an independent scoring of the whole
         # sequence by the same engine gives the same numbers at the same positions
         full = traj.prompt_token_ids + traj.response_token_ids
@@ -197,9 +142,9 @@ async def test_multi_turn_tool_call_round_trip(engine, tokenizer, tool_server):
 async def test_malformed_call_timeout_and_unreachable_executor_are_recorded(engine, tokenizer, tool_server):
     turns = [
         '<tool_call>{"name": "python", "arguments": {"code": "print(1)"</tool_call>',  # malformed JSON
-        cf.format_tool_call("import time\ntime.sleep(30)"),  # exceeds the 1 s tool limit
-        cf.format_tool_call("print(1/0)"),
-        cf.format_answer("7") + cf.IM_END,
+        tokenizer.tool_call_text("import time\ntime.sleep(30)"),  # exceeds the 1 s tool limit
+        tokenizer.tool_call_text("print(1/0)"),
+        tokenizer.answer_text("7") + tokenizer.end_of_turn_text,
     ]
     runner = runner_for([ForcedEngine(engine, tokenizer, turns)], tokenizer, [tool_server.url], tool_timeout_s=1.0)
     group = await runner.run_task(make_task(n=1))
@@ -211,7 +156,7 @@ async def test_malformed_call_timeout_and_unreachable_executor_are_recorded(engi
     assert traj.finish_reason == "answer" and traj.turns == 4
 
     dead = f"http://127.0.0.1:{free_port()}"
-    runner = runner_for([ForcedEngine(engine, tokenizer, [cf.format_tool_call("print(2)")])], tokenizer, [dead],
+    runner = runner_for([ForcedEngine(engine, tokenizer, [tokenizer.tool_call_text("print(2)")])], tokenizer, [dead],
                         max_attempts=2)
     group = await runner.run_task(make_task(n=1))
     await runner.tools.aclose()
@@ -235,9 +180,9 @@ async def test_weight_update_mid_generation_and_corrupt_checkpoints(engine, toke
 
     updater = WeightUpdater([engine], tensor_index(model_root / "v0"), engine.version)
     base = engine.version
-    prompt = tokenizer.encode(cf.render_prompt("count"))
+    prompt = tokenizer.prompt_ids("count")
     # a long generation that cannot stop early: the update lands in the middle of it
-    no_stop = {"logit_bias": {tokenizer.eos_id: -100.0, tokenizer.tool_call_end_id: -100.0}}
+    no_stop = {"logit_bias": {i: -100.0 for i in tokenizer.stop_token_ids}}
     gen_task = asyncio.create_task(engine.generate(GR(prompt, 1500, 1), temperature=1.0, top_p=1.0,
                                                    stop_token_ids=[], extra=no_stop))
     await asyncio.sleep(1.0)
@@ -327,7 +272,7 @@ async def test_service_consumes_tasks_publishes_groups_and_follows_weights(
         Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
         topic_prefix=topic_prefix, state_dir=tmp_path, port=free_port(), model_path=str(model_root / "v0"),
         max_model_len=MAX_MODEL_LEN, tool_executor_urls=[tool_server.url], max_concurrent_tasks=4,
-        stats_interval_s=0.2,
+        stats_interval_s=0.2, prompt_preset="compact",
     )
     await ensure_topics(stack.kafka_bootstrap, topic_prefix)
     tasks_topic = settings.topic(topics.ROLLOUT_TASKS)

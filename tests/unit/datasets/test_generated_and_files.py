@@ -1,16 +1,13 @@
-"""Problem-set loading (validation, error reports) and the seeded problem generator."""
+"""The seeded problem generator (problem-set file loading: test_files.py)."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import sympy
 
-from shared.datasets import Problem, ProblemSetError, load_problems, parse_integer_answer, write_jsonl
+from shared.datasets import Problem
 from shared.datasets.generated import (
     EVAL_BUCKETS,
     KINDS,
@@ -21,104 +18,6 @@ from shared.datasets.generated import (
     make_splits,
     problem_stream,
 )
-
-# --------------------------------------------------------------------------- loading
-
-
-def _write_lines(path, lines):
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def test_loads_valid_jsonl(tmp_path):
-    path = _write_lines(tmp_path / "p.jsonl", [
-        json.dumps({"prompt": "What is 2+2?", "answer": "4", "id": "a"}),
-        "",
-        json.dumps({"prompt": "What is 3-5?", "answer": -2}),
-        json.dumps({"prompt": [{"role": "user", "content": "Compute 7*6."}], "answer": " 42 ", "id": 7}),
-    ])
-    problems = load_problems(path)
-    assert [p.answer for p in problems] == ["4", "-2", "42"]
-    assert problems[0].problem_id == "a" and problems[2].problem_id == "7"
-    assert problems[1].problem_id.startswith("p-")
-    assert problems[2].prompt == "Compute 7*6."
-
-
-def test_all_bad_rows_are_reported_with_file_line_and_reason(tmp_path):
-    path = _write_lines(tmp_path / "bad.jsonl", [
-        json.dumps({"prompt": "ok", "answer": 1, "id": "x"}),          # 1 fine
-        "{not json",                                                   # 2
-        json.dumps({"answer": 3}),                                     # 3 no prompt
-        json.dumps({"prompt": "p", "answer": "3.5"}),                  # 4 not an integer
-        json.dumps({"prompt": "p", "answer": True}),                   # 5 boolean
-        json.dumps({"prompt": "   ", "answer": 1}),                    # 6 empty prompt
-        json.dumps({"prompt": "q", "answer": 2, "id": "x"}),           # 7 duplicate id
-        json.dumps([1, 2]),                                            # 8 not an object
-        json.dumps({"prompt": "p"}),                                   # 9 no answer
-    ])
-    with pytest.raises(ProblemSetError) as info:
-        load_problems(path)
-    errors = info.value.errors
-    assert [e.line for e in errors] == [2, 3, 4, 5, 6, 7, 8, 9]
-    assert all(e.file == str(path) for e in errors)
-    reasons = {e.line: e.reason for e in errors}
-    assert "not valid JSON" in reasons[2]
-    assert "missing 'prompt'" in reasons[3]
-    assert "integer" in reasons[4] and "3.5" in reasons[4]
-    assert "boolean" in reasons[5]
-    assert "empty" in reasons[6]
-    assert "duplicate id 'x'" in reasons[7] and ":1" in reasons[7]
-    assert "JSON object" in reasons[8]
-    assert "missing 'answer'" in reasons[9]
-    message = str(info.value)
-    assert f"{path}:4:" in message and "8 bad row(s)" in message
-
-
-def test_errors_of_several_files_are_collected_together(tmp_path):
-    a = _write_lines(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "answer": "x"})])
-    b = tmp_path / "missing.jsonl"
-    c = _write_lines(tmp_path / "c.csv", ["prompt,answer"])
-    with pytest.raises(ProblemSetError) as info:
-        load_problems([a, b, c])
-    files = [e.file for e in info.value.errors]
-    assert files == [str(a), str(b), str(c)]
-    assert "file not found" in info.value.errors[1].reason
-    assert "unknown file type" in info.value.errors[2].reason
-
-
-def test_parquet_rows_are_validated_with_row_numbers(tmp_path):
-    path = tmp_path / "p.parquet"
-    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": ["1", "two", "3"]}), path)
-    with pytest.raises(ProblemSetError) as info:
-        load_problems(path)
-    assert [(e.line, "two" in e.reason) for e in info.value.errors] == [(2, True)]
-    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1, 2], "id": ["i", "j"]}), path)
-    assert [p.problem_id for p in load_problems(path)] == ["i", "j"]
-
-
-def test_unreadable_parquet_is_reported(tmp_path):
-    path = tmp_path / "broken.parquet"
-    path.write_bytes(b"not parquet at all")
-    with pytest.raises(ProblemSetError, match="cannot read Parquet"):
-        load_problems(path)
-
-
-def test_generated_problems_round_trip_through_jsonl(tmp_path):
-    problems = generate_problems(50, seed=3)
-    loaded = load_problems(write_jsonl(problems, tmp_path / "gen.jsonl"))
-    assert [(p.problem_id, p.prompt, p.answer) for p in loaded] == [(p.problem_id, p.prompt, p.answer) for p in problems]
-
-
-@pytest.mark.parametrize("value,expected", [(5, "5"), ("-12", "-12"), ("+7", "7"), ("007", "7"), (3.0, "3")])
-def test_integer_answers_are_canonicalised(value, expected):
-    assert parse_integer_answer(value) == expected
-
-
-@pytest.mark.parametrize("value", ["1e3", "1/2", "", "١٢", "12a", 2.5, None, [1]])
-def test_non_integer_answers_are_rejected(value):
-    with pytest.raises(ValueError):
-        parse_integer_answer(value)
-
 
 # --------------------------------------------------------------------------- generation
 

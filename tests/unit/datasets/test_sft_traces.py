@@ -7,21 +7,22 @@ import random
 
 import pytest
 
-from shared import chat_format as cf
 from shared.datasets.generated import KINDS, generate_problems
 from shared.datasets.sft_traces import (
     BUGGY_FRACTION,
-    CodeRun,
+    ChatDataError,
     TraceError,
     make_copy_drills,
     make_trace,
     make_traces,
     read_traces_jsonl,
+    render_trace,
     run_code,
-    tokenize_trace,
-    tool_output_text,
+    steps_from_messages,
     write_traces_jsonl,
 )
+from shared.formats import ToolResult
+from shared.formats.tags import TOOL_CALL_END, TOOL_RESPONSE_END, TOOL_RESPONSE_START, count_answer_tags
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def traces(problems):
 
 
 def test_run_code_captures_output_and_tracebacks():
-    assert run_code("print(6 * 7)") == CodeRun(True, "42\n")
+    assert run_code("print(6 * 7)").output == "42\n" and run_code("print(6 * 7)").ok
     bad = run_code("x = 1\nprint(y)")
     assert not bad.ok
     assert bad.output.startswith("Traceback (most recent call last):")
@@ -49,32 +50,37 @@ def test_run_code_captures_output_and_tracebacks():
     assert not syntax.ok and syntax.output.startswith('  File "<cell>", line 1') and "SyntaxError" in syntax.output
 
 
-def test_tool_output_text_matches_the_rollout_composition():
+def test_code_results_are_shown_as_the_rollout_shows_executor_results(tiny_format, qwen3_format):
     from services.rollout.agent import outcome_from_execution
 
     for stdout, stderr in [("42\n", ""), ("", "Traceback\nNameError: x\n"), ("a\n", "E\n"), ("", "")]:
         status = "error" if stderr else "ok"
-        assert tool_output_text(stdout, stderr) == outcome_from_execution(status, stdout, stderr, 1.0).output
+        run = run_code("print(42)") if status == "ok" else None
+        outcome = outcome_from_execution(status, stdout, stderr, 1.0)
+        assert outcome.result == ToolResult(status, stdout, stderr)
+        if run is not None:
+            assert run.result() == ToolResult("ok", "42\n", "")
+    for fmt in (tiny_format, qwen3_format):
+        r = run_code("print(1)\n1/0").result()
+        assert fmt.tool_response_text(r) == fmt.tool_response_text(outcome_from_execution("error", r.stdout, r.stderr, 1.0).result)
 
 
-def test_traces_follow_the_chat_format_and_answer_correctly(traces):
-    for t in traces:
-        text = t.response_text
-        assert text.endswith(format_end(t.problem.answer))
-        assert cf.count_answer_tags(text) == 1
-        # Every tool call parses, and its code is the recorded code.
-        calls = text.split(cf.TOOL_CALL_END)[:-1]
+@pytest.mark.parametrize("fmt_name", ["tiny_format", "qwen3_format"])
+def test_traces_follow_the_format_and_answer_correctly(traces, fmt_name, request):
+    fmt = request.getfixturevalue(fmt_name)
+    for t in traces[:100]:
+        text = t.response_text(fmt)
+        assert text.endswith(fmt.answer_text(t.problem.answer) + fmt.end_of_turn_text)
+        assert count_answer_tags(text) == 1
+        # Every tool call parses with the format's parser, and its code is the recorded code.
+        calls = text.split(TOOL_CALL_END)[:-1]
         assert len(calls) == len(t.codes) == (2 if t.buggy_first_call else 1)
         for call, code in zip(calls, t.codes):
-            parsed = cf.parse_tool_call(call + cf.TOOL_CALL_END)
+            parsed = fmt.parse_tool_call(call + TOOL_CALL_END)
             assert parsed.ok and parsed.code == code
-        # Every tool response is exactly what running the code prints now.
-        responses = [s.text for s in t.segments if not s.from_model]
-        assert responses == [cf.format_tool_response(run_code(c).output) for c in t.codes]
-
-
-def format_end(answer):
-    return cf.format_answer(answer) + cf.IM_END
+        # Every tool segment is exactly what running the code prints now, wrapped as the rollout wraps it.
+        responses = [seg for seg, from_model in t.segments(fmt) if not from_model]
+        assert responses == [fmt.tool_response_text(run_code(c).result()) for c in t.codes]
 
 
 def test_buggy_first_calls_fail_and_the_fix_succeeds(traces):
@@ -99,32 +105,32 @@ def test_every_bug_variant_of_every_kind_really_fails():
             assert run_code(fixed).output == p.answer + "\n", fixed
 
 
-def test_loss_mask_is_exact(traces, tokenizer):
-    for t in traces[:120]:
-        tok = tokenize_trace(t, tokenizer)
+@pytest.mark.parametrize("fmt_name", ["tiny_format", "qwen3_format", "llama3_format"])
+def test_loss_mask_is_exact(traces, fmt_name, request):
+    fmt = request.getfixturevalue(fmt_name)
+    for t in traces[:60]:
+        tok = render_trace(t, fmt)
         assert len(tok.loss_mask) == len(tok.response_token_ids)
         model_ids = [i for i, m in zip(tok.response_token_ids, tok.loss_mask) if m]
         tool_ids = [i for i, m in zip(tok.response_token_ids, tok.loss_mask) if not m]
-        assert tokenizer.decode(model_ids) == t.model_text
-        assert tokenizer.decode(tool_ids) == "".join(s.text for s in t.segments if not s.from_model)
-        assert tokenizer.decode(tok.response_token_ids) == t.response_text
-        assert tokenizer.decode(tok.prompt_token_ids) == cf.render_prompt(t.problem.prompt)
-        # The model's last token is <|im_end|> and it is trained on.
-        assert tok.response_token_ids[-1] == tokenizer.eos_token_id and tok.loss_mask[-1] == 1
-        # The stop token </tool_call> is a model token; <tool_response> and </tool_response> are not.
-        ids = dict(zip(["call_end", "resp_start", "resp_end"],
-                       tokenizer.convert_tokens_to_ids([cf.TOOL_CALL_END, cf.TOOL_RESPONSE_START, cf.TOOL_RESPONSE_END])))
-        for i, m in zip(tok.response_token_ids, tok.loss_mask):
-            if i == ids["call_end"]:
-                assert m == 1
-            if i in (ids["resp_start"], ids["resp_end"]):
-                assert m == 0
+        assert fmt.decode(model_ids) == t.model_text(fmt)
+        assert fmt.decode(tool_ids) == "".join(seg for seg, m in t.segments(fmt) if not m)
+        assert fmt.decode(tok.response_token_ids) == t.response_text(fmt)
+        assert tok.prompt_token_ids == fmt.prompt_ids(t.problem.prompt)
+        # The model's last token is the template's end-of-turn and it is trained on.
+        assert tok.response_token_ids[-1] == fmt.end_of_turn_id and tok.loss_mask[-1] == 1
+        assert fmt.classify(tok.response_token_ids) == "end"
+        # The tool segments hold the <tool_response> tags, never trained on.
+        for seg, from_model in t.segments(fmt):
+            assert (TOOL_RESPONSE_START in seg and TOOL_RESPONSE_END in seg) == (not from_model)
 
 
-def test_mask_spans_match_rollout_segments(traces, tokenizer):
-    """Masked spans are exactly the separately tokenised tool responses, as the rollout appends them."""
+@pytest.mark.parametrize("fmt_name", ["tiny_format", "qwen3_format"])
+def test_mask_spans_match_rollout_segments(traces, fmt_name, request):
+    """Masked spans are exactly the separately tokenised tool segments, as the rollout appends them."""
+    fmt = request.getfixturevalue(fmt_name)
     for t in traces[:60]:
-        tok = tokenize_trace(t, tokenizer)
+        tok = render_trace(t, fmt)
         spans, cur = [], []
         for i, m in zip(tok.response_token_ids, tok.loss_mask):
             if m == 0:
@@ -132,21 +138,48 @@ def test_mask_spans_match_rollout_segments(traces, tokenizer):
             elif cur:
                 spans.append(cur)
                 cur = []
-        expected = [tokenizer.encode(s.text, add_special_tokens=False) for s in t.segments if not s.from_model]
+        expected = [fmt.tool_response_ids(run_code(c).result()) for c in t.codes]
         assert spans == expected
 
 
-def test_jsonl_rows_round_trip(traces, tokenizer, tmp_path):
-    path = write_traces_jsonl(traces[:20], tokenizer, tmp_path / "traces.jsonl")
+def test_jsonl_rows_round_trip(traces, tiny_format, tmp_path):
+    path = write_traces_jsonl(traces[:20], tiny_format, tmp_path / "traces.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert set(rows[0]) == {"problem_id", "prompt_token_ids", "response_token_ids", "loss_mask"}
     back = read_traces_jsonl(path)
-    assert [b.response_token_ids for b in back] == [tokenize_trace(t, tokenizer).response_token_ids for t in traces[:20]]
+    assert [b.response_token_ids for b in back] == [render_trace(t, tiny_format).response_token_ids for t in traces[:20]]
+
+
+def test_chat_messages_render_through_the_format(qwen3_format):
+    fmt = qwen3_format
+    messages = [
+        {"role": "system", "content": "You are a careful mathematician."},
+        {"role": "user", "content": "What is 2**10?"},
+        {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+            {"type": "function", "function": {"name": fmt.preset.tool_name,
+                                              "arguments": json.dumps({"code": "print(2**10)", "input": ""})}}]},
+        {"role": "tool", "content": "Tool call success\nstdout: 1024\n"},
+        {"role": "assistant", "content": "<answer>\\boxed{1024}</answer>"},
+    ]
+    trace = steps_from_messages(messages, fmt, "m1")
+    tok = render_trace(trace, fmt)
+    prompt = fmt.decode(tok.prompt_token_ids)
+    assert prompt.startswith("<|im_start|>system\nYou are a careful mathematician.") and "# Tools" in prompt
+    assert prompt.endswith("<|im_start|>user\nWhat is 2**10?<|im_end|>\n<|im_start|>assistant\n")
+    model_text = fmt.decode([i for i, m in zip(tok.response_token_ids, tok.loss_mask) if m])
+    assert model_text == "Let me compute." + fmt.tool_call_text("print(2**10)", "") + "<answer>\\boxed{1024}</answer><|im_end|>"
+    tool_text = fmt.decode([i for i, m in zip(tok.response_token_ids, tok.loss_mask) if not m])
+    assert tool_text == fmt.tool_response_text("Tool call success\nstdout: 1024\n")
+    with pytest.raises(ChatDataError, match="tool"):
+        steps_from_messages([messages[1], {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "bash", "arguments": "{}"}}]}], fmt)
+    with pytest.raises(ChatDataError, match="end with an assistant"):
+        steps_from_messages(messages[:4], fmt)
 
 
 def test_traces_are_deterministic(problems):
-    a = [t.response_text for t in make_traces(problems[:50], seed=3)]
-    b = [t.response_text for t in make_traces(problems[:50], seed=3)]
+    a = [t.steps for t in make_traces(problems[:50], seed=3)]
+    b = [t.steps for t in make_traces(problems[:50], seed=3)]
     assert a == b
 
 
@@ -165,9 +198,10 @@ def test_a_wrong_answer_is_caught(problems):
         make_trace(wrong, random.Random(0), buggy=False)
 
 
-def test_copy_drills_copy_exactly_without_the_system_prompt(tokenizer):
+def test_copy_drills_copy_exactly_without_the_system_prompt(tiny_format):
     from services.reward.answers import extract_answer
 
+    fmt = tiny_format
     drills = make_copy_drills(200, seed=3)
     assert [d.problem.problem_id for d in drills] == [f"drill-{i}" for i in range(200)]
     assert make_copy_drills(200, seed=3) == drills  # deterministic
@@ -176,10 +210,9 @@ def test_copy_drills_copy_exactly_without_the_system_prompt(tokenizer):
     for d in drills:
         text = d.problem.answer
         assert d.problem.prompt == f"Repeat {text}"
-        assert extract_answer(d.response_text).text == text
-        tok = tokenize_trace(d, tokenizer)
-        prompt = tokenizer.decode(tok.prompt_token_ids)
-        assert prompt == cf.render_prompt(d.problem.prompt, system=None)
-        assert cf.SYSTEM_PROMPT not in prompt
+        assert extract_answer(d.response_text(fmt)).text == text
+        tok = render_trace(d, fmt)
+        prompt = fmt.decode(tok.prompt_token_ids)
+        assert prompt == f"<|im_start|>user\nRepeat {text}<|im_end|>\n<|im_start|>assistant\n"
         assert tok.loss_mask == [1] * len(tok.response_token_ids)
-        assert tokenizer.decode(tok.response_token_ids) == d.response_text
+        assert fmt.decode(tok.response_token_ids) == d.response_text(fmt)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from shared import chat_format as cf
 from lab.bootstrap import (
     BOOTSTRAP_INFO,
     BootstrapSettings,
@@ -45,11 +44,11 @@ def test_bad_settings_are_refused():
         BootstrapSettings(copy_drills=-1)
 
 
-def test_training_traces_are_fresh_train_problems(tokenizer, tmp_path):
+def test_training_traces_are_fresh_train_problems(tiny_format, tmp_path):
     from shared.datasets import generate_problems
 
     s = BootstrapSettings(steps=1, n_traces=30, copy_drills=10)
-    rows = read_traces_jsonl(write_training_traces(tmp_path / "t.jsonl", s, tokenizer))
+    rows = read_traces_jsonl(write_training_traces(tmp_path / "t.jsonl", s, tiny_format))
     assert len(rows) == 40
     assert [r.problem_id for r in rows[:30]] == [p.problem_id for p in generate_problems(30, seed=0)]
     assert [r.problem_id for r in rows[30:]] == [f"drill-{i}" for i in range(10)]
@@ -87,24 +86,25 @@ def test_smoke_training_lowers_the_loss_and_is_cached(tmp_path):
 
 
 def test_run_model_code_limits_and_output():
-    ok, out = run_model_code("print(2 ** 10)")
-    assert ok and out == "1024\n"
+    r = run_model_code("print(2 ** 10)")
+    assert r.ok and r.stdout == "1024\n"
     code = "import sys\nprint(undefined_name)"
-    ok, out = run_model_code(code)
-    assert not ok and out.endswith("NameError: name 'undefined_name' is not defined\n")
+    r = run_model_code(code)
+    assert not r.ok and r.stderr.endswith("NameError: name 'undefined_name' is not defined\n")
     # Reported exactly like the in-process trace generator (which mirrors the tool executor).
     from shared.datasets.sft_traces import run_code
 
-    assert out == run_code(code).output
-    assert 'File "<cell>", line 2' in out and "print(undefined_name)" in out
-    ok, out = run_model_code("while True:\n    pass", timeout_s=1.0)
-    assert not ok and ("TimeoutError" in out or out == "")
-    ok, out = run_model_code("x = bytearray(4 << 30)")
-    assert not ok and "MemoryError" in out
+    assert r == run_code(code).result()
+    assert 'File "<cell>", line 2' in r.stderr and "print(undefined_name)" in r.stderr
+    r = run_model_code("while True:\n    pass", timeout_s=1.0)
+    assert r.status == "timeout" or (not r.ok and r.stdout == "")
+    r = run_model_code("x = bytearray(4 << 30)")
+    assert not r.ok and "MemoryError" in r.stderr
 
 
-def test_extract_int_answer():
-    assert extract_int_answer("blah " + cf.format_answer("-42") + cf.IM_END) == "-42"
+def test_extract_int_answer(tiny_format):
+    answer = tiny_format.answer_text
+    assert extract_int_answer("blah " + answer("-42") + tiny_format.end_of_turn_text) == "-42"
     assert extract_int_answer("\\boxed{7} but no answer tag") is None
-    assert extract_int_answer(cf.format_answer("3.5")) is None
-    assert extract_int_answer(cf.format_answer("007")) == "7"
+    assert extract_int_answer(answer("3.5")) is None
+    assert extract_int_answer(answer("007")) == "7"

@@ -13,10 +13,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import chat_format as cf
+from shared.formats import ToolResult
+from shared.formats import tags
 from shared.checkpoint import checkpoint_sha256
 from lab.tiny_model import (
     EOS_TOKEN,
+    IM_END,
+    IM_START,
+    _answer,
+    _prompt,
+    _tool_call,
+    _tool_response,
     VOCAB_SIZE,
     build_tokenizer,
     create_random_model,
@@ -25,8 +32,8 @@ from lab.tiny_model import (
 
 def test_vocabulary_size_and_eos(tokenizer):
     assert len(tokenizer) == VOCAB_SIZE
-    assert tokenizer.eos_token == EOS_TOKEN == cf.IM_END
-    assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids(cf.IM_END)
+    assert tokenizer.eos_token == EOS_TOKEN == IM_END
+    assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids(IM_END)
 
 
 def test_each_digit_is_one_token_and_digits_never_merge(tokenizer):
@@ -49,26 +56,43 @@ def test_no_vocabulary_entry_has_more_than_one_digit(tokenizer):
         assert not has_digit or (len(text) == 1 and text in "0123456789"), token
 
 
+TAGS = (IM_START, IM_END, tags.TOOL_CALL_START, tags.TOOL_CALL_END, tags.TOOL_RESPONSE_START, tags.TOOL_RESPONSE_END,
+        tags.ANSWER_START, tags.ANSWER_END)
+
+
 def test_chat_format_tags_are_single_tokens(tokenizer):
     def tid(tok):
         ids = tokenizer.encode(tok, add_special_tokens=False)
         return ids[0] if len(ids) == 1 else None
 
-    ids = cf.require_special_tokens(tid)
-    assert len(set(ids.values())) == len(cf.SPECIAL_TOKENS)
+    ids = {t: tid(t) for t in TAGS}
+    assert None not in ids.values() and len(set(ids.values())) == len(TAGS)
     # Tags stay single tokens inside running text too.
-    text = cf.format_tool_call("print(1)") + cf.format_tool_response("1") + cf.format_answer("1") + cf.IM_END
+    text = _tool_call("print(1)") + _tool_response("1") + _answer("1") + IM_END
     enc = tokenizer.encode(text, add_special_tokens=False)
-    for tag in (cf.TOOL_CALL_START, cf.TOOL_CALL_END, cf.TOOL_RESPONSE_START, cf.TOOL_RESPONSE_END,
-                cf.ANSWER_START, cf.ANSWER_END, cf.IM_END):
+    for tag in TAGS[1:]:
         assert ids[tag] in enc
 
 
+def test_the_chat_template_renders_the_compact_format_the_corpus_was_written_in(tiny_format):
+    """The tokenizer's corpus spells the format out; the model's template must render the same text."""
+    from shared.formats import get_preset
+
+    fmt = tiny_format
+    assert fmt.prompt_text("Compute 2 + 2.") == _prompt("Compute 2 + 2.", get_preset("compact").system)
+    assert fmt.prompt_text("Repeat 12", bare=True) == _prompt("Repeat 12", None)
+    assert fmt.tool_response_text(ToolResult("ok", "4\n")) == _tool_response("4\n")
+    assert fmt.tool_call_text("print(1)") == _tool_call("print(1)")
+    assert fmt.answer_text("7") == _answer("7")
+    assert fmt.end_of_turn_text == IM_END and fmt.stop_strings == []
+    assert fmt.stop_token_ids == [fmt.model.single_token(tags.TOOL_CALL_END), fmt.model.single_token(IM_END)]
+
+
 def test_no_bos_is_added(tokenizer):
-    prompt = cf.render_prompt("Compute 2 + 2.")
+    prompt = _prompt("Compute 2 + 2.", "Solve.")
     ids = tokenizer.encode(prompt)
     assert tokenizer.decode(ids) == prompt
-    assert ids[0] == tokenizer.convert_tokens_to_ids(cf.IM_START)
+    assert ids[0] == tokenizer.convert_tokens_to_ids(IM_START)
 
 
 @settings(max_examples=200, deadline=None)
@@ -79,17 +103,17 @@ def test_round_trip_arbitrary_text(tokenizer, text):
 
 
 def test_round_trip_chat_text(tokenizer):
-    text = (cf.render_prompt("What is 123 * 456 - 7?") + "Let me compute.\n"
-            + cf.format_tool_call("a = 123\nprint(a * 456 - 7)")
-            + cf.format_tool_response("Traceback (most recent call last):\n  NameError: name 'x'")
-            + cf.format_answer("56081") + cf.IM_END)
+    text = (_prompt("What is 123 * 456 - 7?", "Solve.") + "Let me compute.\n"
+            + _tool_call("a = 123\nprint(a * 456 - 7)")
+            + _tool_response("Traceback (most recent call last):\n  NameError: name 'x'")
+            + _answer("56081") + IM_END)
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
 def test_tokenizer_build_is_deterministic(tmp_path):
     a = build_tokenizer(tmp_path / "a")
     b = build_tokenizer(tmp_path / "b")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
@@ -125,7 +149,7 @@ def test_random_model_loads_with_transformers(tiny_model_dir, tokenizer):
     assert 1.5e6 < n_params < 3e6
     info = json.loads((tiny_model_dir / "tiny_model.json").read_text())
     assert info["parameters"] == n_params
-    ids = torch.tensor([tokenizer.encode(cf.render_prompt("Compute 1 + 1."))])
+    ids = torch.tensor([tokenizer.encode(_prompt("Compute 1 + 1.", "Solve."))])
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], VOCAB_SIZE)
@@ -151,7 +175,9 @@ def test_vllm_loads_the_model_and_its_logprobs_match_transformers(tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    prompt = tokenizer.encode(cf.render_prompt("Compute 12 * 34 + 5."), add_special_tokens=False)
+    from shared.formats import load_format
+
+    prompt = load_format(tiny_model_dir, "compact").prompt_ids("Compute 12 * 34 + 5.")
     ids = torch.tensor([prompt + result["token_ids"]])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0].double(), -1)

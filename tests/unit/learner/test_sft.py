@@ -22,11 +22,11 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def traces(tiny, tmp_path_factory):
     from shared.datasets import generated as data, sft_traces
-    from lab.tiny_model import load_tokenizer
+    from shared.formats import load_format
 
     problems = data.generate_problems(24, seed=1, split="train")
     path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
-    return sft_traces.write_traces_jsonl(sft_traces.make_traces(problems, seed=1), load_tokenizer(tiny), path)
+    return sft_traces.write_traces_jsonl(sft_traces.make_traces(problems, seed=1), load_format(tiny, "compact"), path)
 
 
 def test_train_sft_lowers_the_loss_and_writes_a_loadable_model(tiny, traces, tmp_path):
@@ -90,3 +90,32 @@ def test_cli_runs_sft(tiny, traces, tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and (out / "model.safetensors").is_file()
+
+
+def test_chat_message_rows_train_an_external_model_through_its_format(qwen3_model, tmp_path):
+    """`rstar learner sft` on a Qwen3 directory: OpenAI-style rows with tool calls are rendered by
+    the Qwen3 chat template; the tool turn is masked; the checkpoint keeps tokenizer and template."""
+    from shared.formats import load_format
+
+    fmt = load_format(qwen3_model, "rstar2")
+    call = {"type": "function", "function": {"name": fmt.preset.tool_name,
+                                              "arguments": json.dumps({"code": "print(6*7)", "input": ""})}}
+    row = {"messages": [{"role": "user", "content": "What is 6*7?"},
+                        {"role": "assistant", "content": "Compute it.", "tool_calls": [call]},
+                        {"role": "tool", "content": "Tool call success\nstdout: 42"},
+                        {"role": "assistant", "content": "<answer>\\boxed{42}</answer>"}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    [seq] = load_sft_jsonl(path, fmt_of=lambda: fmt)
+    tool_ids = [i for i, m in zip(seq.response_ids, seq.loss_mask) if not m]
+    assert fmt.decode(tool_ids) == fmt.tool_response_text("Tool call success\nstdout: 42")
+    assert fmt.decode(seq.response_ids).endswith("<answer>\\boxed{42}</answer><|im_end|>")
+    assert fmt.decode(seq.prompt_ids).endswith("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
+    out = tmp_path / "sft"
+    summary = train_sft(qwen3_model, path, out, steps=2, lr=1e-3, warmup_steps=1, batch_tokens=1024, device="cpu")
+    assert summary.steps == 2
+    assert load_format(out, "rstar2").describe() == fmt.describe() | {}  # tokenizer and template travel along
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    with pytest.raises(SftDataError, match=r"bad.jsonl:1: the conversation must end with an assistant message"):
+        load_sft_jsonl(bad, fmt_of=lambda: fmt)

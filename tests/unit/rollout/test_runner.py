@@ -9,32 +9,18 @@ from datetime import timedelta
 import pytest
 
 from services.rollout.agent import Generation
-from services.rollout.rollouts import AdmissionGate, RolloutRunner, Tokenizer
+from services.rollout.rollouts import AdmissionGate, RolloutRunner
 from services.rollout.scheduler import RolloutScheduler
-from shared import chat_format as cf
 from shared.events import RolloutTask, SamplingParams, utcnow
+from shared.formats import load_format
 
-SPECIAL = {tok: 1000 + i for i, tok in enumerate(cf.SPECIAL_TOKENS)}
-EOS, CALL_END = SPECIAL[cf.IM_END], SPECIAL[cf.TOOL_CALL_END]
-
-
-def encode(text: str) -> list[int]:  # one id per character; the tags as single ids
-    ids, i = [], 0
-    while i < len(text):
-        for tag, tid in SPECIAL.items():
-            if text.startswith(tag, i):
-                ids.append(tid)
-                i += len(tag)
-                break
-        else:
-            ids.append(ord(text[i]))
-            i += 1
-    return ids
+FMT = None
 
 
-def decode(ids: list[int]) -> str:
-    rev = {v: k for k, v in SPECIAL.items()}
-    return "".join(rev.get(i, chr(i)) for i in ids)
+@pytest.fixture(autouse=True, scope="module")
+def _tiny_format(tiny_model_dir):
+    global FMT
+    FMT = load_format(tiny_model_dir, "compact")
 
 
 class FakeEngine:
@@ -46,12 +32,13 @@ class FakeEngine:
     def __init__(self, fail_turn_of: str | None = None):
         self.fail_turn_of = fail_turn_of
 
-    async def generate(self, req, *, temperature, top_p, stop_token_ids, request_id=None, extra=None):
+    async def generate(self, req, *, temperature, top_p, stop_token_ids, stop_strings=None, request_id=None,
+                       extra=None):
         if self.fail_turn_of and request_id.startswith(self.fail_turn_of):
             await asyncio.sleep(0.01)
             raise RuntimeError("engine died")
         await asyncio.sleep(0.2 if self.fail_turn_of else 0.01)
-        ids = encode("done" + cf.IM_END)
+        ids = FMT.encode("done" + FMT.end_of_turn_text)
         return Generation(ids, [-1.0] * len(ids), [self.version] * len(ids))
 
 
@@ -66,10 +53,8 @@ def task(n: int) -> RolloutTask:
 
 
 def runner(engine) -> RolloutRunner:
-    tok = Tokenizer(encode=encode, decode=decode, tool_call_end_id=CALL_END, eos_id=EOS)
     gate = AdmissionGate(RolloutScheduler({0: 100_000}, block_size=1))
-    return RolloutRunner([engine], gate, tok, NoTools(), max_model_len=4096, tool_timeout_s=1.0,
-                         tool_response_max_chars=100)
+    return RolloutRunner([engine], gate, FMT, NoTools(), max_model_len=4096, tool_timeout_s=1.0)
 
 
 def test_group_in_sample_order():
