@@ -17,6 +17,7 @@ from rich.table import Table
 from services.orchestrator.cli import StateDir, db_sessions, load_run_config_or_exit
 
 app = typer.Typer()
+model_app = typer.Typer(help="Model directories: what the pipeline reads from them.", no_args_is_help=True)
 console = Console(stderr=True, soft_wrap=True)
 
 
@@ -171,3 +172,33 @@ def demo() -> None:
 
     sigterm_as_ctrl_c()
     main()
+
+
+@model_app.command("inspect")
+def model_inspect(
+    model: Path = typer.Argument(..., help="Hugging Face model directory"),
+    preset: str = typer.Option("rstar2", help="prompt preset: rstar2 | boxed | compact"),
+    problem: str = typer.Option("What is 6 times 7?", help="a problem to render the prompt of"),
+) -> None:
+    """Check a model directory the way `rstar train` / `rstar eval` / the rollout do (config, tokenizer,
+    chat template, what the preset needs), show the conversation format, and render one prompt and
+    one tool turn. Exit 2 with every reason if the directory cannot be used."""
+    from shared.formats import ModelDirError, ToolResult, load_format
+
+    try:
+        fmt = load_format(model, preset)
+    except (ModelDirError, ValueError) as exc:
+        console.print(f"[red]unusable:[/red] {exc}")
+        raise typer.Exit(2) from None
+    info = fmt.describe()
+    t = Table(show_header=False, title=f"{model}")
+    for k, v in info.items():
+        t.add_row(k, repr(v) if k == "tool_wrap" else str(v))
+    prompt_ids = fmt.prompt_ids(problem)
+    t.add_row("prompt tokens", str(len(prompt_ids)))
+    console.print(t)
+    console.rule("prompt")
+    console.print(fmt.prompt_text(problem), markup=False, highlight=False)
+    console.rule("a tool turn (loss mask 0)")
+    console.print(fmt.tool_response_text(ToolResult("ok", "42\n")), markup=False, highlight=False)
+    print(json.dumps({**info, "prompt_tokens": len(prompt_ids)}))

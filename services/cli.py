@@ -43,6 +43,7 @@ EXTENSIONS = [
     ("services.learner.cli", "app", "learner"),
     ("services.orchestrator.cli", "app", None),  # None: its commands join the top level
     ("lab.cli", "app", None),
+    ("lab.cli", "model_app", "model"),
     ("shared.datasets.cli", "app", "data"),
 ]
 

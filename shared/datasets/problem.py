@@ -12,7 +12,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem: ``answer`` is the decimal string of an integer."""
+    """One problem. ``prompt`` is the bare problem text (a dataset's own answer instruction
+    stripped: the conversation format adds the preset's); ``answer`` the gold answer as a string —
+    the canonical decimal string of an integer, or kept verbatim (``\\frac{3}{4}``, ``(1,2)``) for
+    the reward's math-verify check."""
 
     problem_id: str
     prompt: str
@@ -23,7 +26,7 @@ class Problem:
     params: Mapping[str, int] | None = field(default=None, compare=False)
 
     def to_row(self) -> dict[str, Any]:
-        """The DAPO-style JSONL row (``id``, ``prompt``, ``answer``)."""
+        """The project's own JSONL row (``id``, ``prompt``, ``answer``)."""
         return {"id": self.problem_id, "prompt": self.prompt, "answer": self.answer}
 
 

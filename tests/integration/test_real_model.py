@@ -136,7 +136,7 @@ async def test_qwen3_pipeline_trains_reloads_and_evaluates(stack, topic_prefix, 
     run_id = await create_run(sessions, cfg)
     env = {"RSTAR_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "RSTAR_DATABASE_URL": stack.database_url,
            "RSTAR_TOPIC_PREFIX": topic_prefix, "RSTAR_STATE_DIR": str(tmp_path / "state"),
-           "RSTAR_HEARTBEAT_S": "2", "VLLM_CPU_KVCACHE_SPACE": "0.5"}
+           "RSTAR_HEARTBEAT_S": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}
     cluster = cluster_for_run(tmp_path, cfg, run_id, env=env, overrides=RANDOM_POLICY_OVERRIDES,
                               port_offset=21000 + os.getpid() % 1000 * 10)
     cluster.start()
@@ -173,7 +173,7 @@ async def test_qwen3_pipeline_trains_reloads_and_evaluates(stack, topic_prefix, 
         [sys.executable, "-m", "services.cli", "eval", str(last), "--dataset", str(aime), "-k", "2",
          "--max-tokens", "24", "--max-turns", "2", "--max-model-len", "1024", "--kv-cache-gib", "0.5",
          "--tool-url", tool_server.url],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "0.5"})
+        capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["problems"] == 3 and summary["samples"] == 6
