@@ -58,6 +58,8 @@ class RolloutTask(_Model):
     min_policy_version: int = Field(0, ge=0)
     deadline: datetime
     attempt: int = Field(1, ge=1, description="1 on first dispatch, +1 on each re-dispatch")
+    prompt_preset: str | None = Field(None, description="the run's conversation preset (shared/formats/presets.py); "
+                                                         "None: the rollout's own setting")
 
 
 # --------------------------------------------------------------------------- trajectories

@@ -6,6 +6,7 @@ Example::
     seed: 0
     model: .rstar/models/tiny-sft          # HF model dir: version 0 of the policy
     dataset: {kind: generated, n_train: 2000, n_eval: 200, seed: 0}
+    format: {preset: compact}              # rstar2 (default: the paper's prompt) | boxed | compact
     group_size: 4          # G: trajectories kept per problem
     n_samples: 8           # 2G: trajectories rolled out per problem
     batch_groups: 4        # B: groups per learner step
@@ -28,6 +29,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared.formats.presets import PresetName
 
 
 class _Strict(BaseModel):
@@ -63,16 +66,8 @@ class DatasetConfig(_Strict):
 
 
 class FormatConfig(_Strict):
-    preset: str = Field("rstar2", description="prompt preset (shared/formats/presets.py): rstar2 | boxed | compact")
+    preset: PresetName = Field("rstar2", description="prompt preset (shared/formats/presets.py): rstar2 | boxed | compact")
 
-    @field_validator("preset")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from shared.formats.presets import PRESETS
-
-        if v not in PRESETS:
-            raise ValueError(f"unknown prompt preset {v!r}; known: {', '.join(PRESETS)}")
-        return v
 
 
 class SamplingConfig(_Strict):

@@ -332,7 +332,8 @@ class OrchestratorService(Service):
             prompt=problems[row.problem_id].prompt, answer=problems[row.problem_id].answer, n_samples=cfg.n_samples,
             sampling=SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                     max_tokens=stages[row.stage].max_tokens, max_turns=stages[row.stage].max_turns),
-            min_policy_version=row.min_policy_version, deadline=row.deadline, attempt=row.attempts) for row in rows]
+            min_policy_version=row.min_policy_version, deadline=row.deadline, attempt=row.attempts,
+            prompt_preset=cfg.format.preset) for row in rows]
 
     # ------------------------------------------------------------------ HTTP
     def router(self) -> APIRouter:

@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.datasets.answers import canonical_integer
+from shared.datasets.answers import matching_brace as _matching_brace
 from shared.formats.tags import (
     ANSWER_END,
     ANSWER_START,
@@ -82,26 +84,6 @@ def model_written_text(response_text: str) -> str:
     """The response without tool-call code and tool output: only what the model wrote as prose."""
     text = _cut_blocks(response_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
     return _cut_blocks(text, TOOL_CALL_START, TOOL_CALL_END)
-
-
-def _matching_brace(text: str, open_pos: int) -> int:
-    """Index of the ``}`` closing the ``{`` at ``open_pos``, or -1. ``\\{`` and ``\\}`` are literals."""
-    depth = 0
-    i = open_pos
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if c == "\\":
-            i += 2  # an escaped character (\{, \}, \\) never opens or closes a group
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return -1
 
 
 def find_boxed(text: str) -> list[str]:
@@ -172,44 +154,6 @@ def extract_answer(response_text: str, source: AnswerSource = ANSWER_TAG_THEN_LA
 
 
 # --------------------------------------------------------------------------- integer fast path
-
-# LaTeX spacing and wrappers that never change a number's value.
-_SPACING = re.compile(r"\\[,!;:> ]|~|\\quad|\\qquad|\\text\{\s*\}")
-_WRAPPERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("{", "}"))
-_PLAIN_INT = re.compile(r"[+-]?\d+")
-_THOUSANDS_COMMA = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
-_THOUSANDS_SPACE = re.compile(r"[+-]?\d{1,3}(?: \d{3})+")
-
-
-def canonical_integer(text: str) -> str | None:
-    """``"-1,000"`` → ``"-1000"``, ``"007"`` → ``"7"``, ``"-0"`` → ``"0"``; None for a non-integer."""
-    s = text.strip()
-    changed = True
-    while changed:  # peel $..$, \(..\), {..} and a sentence's trailing period, in any nesting
-        changed = False
-        for left, right in _WRAPPERS:
-            if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
-                inner = s[len(left) : len(s) - len(right)]
-                if left != "{" or _matching_brace(s, 0) == len(s) - 1:
-                    s, changed = inner.strip(), True
-        if s.endswith("."):
-            s, changed = s[:-1].rstrip(), True
-    s = s.replace("{,}", ",")
-    s = _SPACING.sub(" ", s)
-    s = re.sub(r"\s+", " ", s).strip()
-    s = re.sub(r"^([+-]) ", r"\1", s)
-    if _PLAIN_INT.fullmatch(s):
-        digits = s
-    elif _THOUSANDS_COMMA.fullmatch(s):
-        digits = s.replace(",", "")
-    elif _THOUSANDS_SPACE.fullmatch(s):
-        digits = s.replace(" ", "")
-    else:
-        return None
-    sign = "-" if digits.startswith("-") else ""
-    body = digits.lstrip("+-").lstrip("0") or "0"
-    return body if body == "0" else sign + body
-
 
 def integer_verdict(predicted: str, gold: str) -> bool | None:
     """True/False when both sides are integer literals (decided exactly), else None."""

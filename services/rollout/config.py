@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from shared.formats.presets import DEFAULT_PRESET, PRESETS
+from shared.formats.presets import DEFAULT_PRESET, PRESETS, PresetName
 from shared.formats.tags import DEFAULT_TOOL_RESPONSE_CHARS
 from pydantic_settings import NoDecode
 
@@ -20,7 +20,7 @@ class Settings(ServiceSettings):
 
     # --- engines -------------------------------------------------------------------------
     model_path: Path = Field(Path(".rstar/models/tiny"), description="HF model directory of policy version 0 (config, tokenizer, safetensors)")
-    prompt_preset: str = Field(DEFAULT_PRESET, description=f"conversation preset ({', '.join(PRESETS)}): system prompt, user wording, tool, tool-result text; rendered by the model's chat template")
+    prompt_preset: PresetName = Field(DEFAULT_PRESET, description=f"conversation preset ({', '.join(PRESETS)}): system prompt, user wording, tool, tool-result text; rendered by the model's chat template")
     initial_version: int = Field(0, ge=0, description="policy version the model_path weights are")
     run_id: str = Field("", description="load only this run's weight versions ('' = any run's: one run at a time on the topic)")
     num_engines: int = Field(1, ge=1, description="vLLM engines in this process (each its own engine-core process)")
@@ -45,12 +45,6 @@ class Settings(ServiceSettings):
     max_concurrent_tasks: int = Field(16, ge=1, description="tasks (groups of n_samples rollouts) processed at once")
     stats_interval_s: float = Field(0.5, gt=0, description="how often engine KV statistics are read into the scheduler and metrics")
 
-    @field_validator("prompt_preset")
-    @classmethod
-    def _known_preset(cls, value: str) -> str:
-        if value not in PRESETS:
-            raise ValueError(f"unknown prompt preset {value!r}; known: {', '.join(PRESETS)}")
-        return value
 
     @field_validator("tool_executor_urls", mode="before")
     @classmethod

@@ -107,7 +107,11 @@ class AdmissionGate:
             SCHED_RESERVED.labels(str(eid)).set(e.reserved_tokens)
 
 
-class PromptTooLong(ValueError):
+class BadTask(ValueError):
+    """A task this service can never run (dead-lettered with the reason, not retried)."""
+
+
+class PromptTooLong(BadTask):
     """The rendered prompt leaves no room to generate within max_model_len."""
 
 
@@ -119,13 +123,24 @@ class RolloutRunner:
         self.engines = list(engines)
         self.gate = gate
         self.fmt = fmt
+        self._formats: dict[str, ConversationFormat] = {fmt.preset.name: fmt}
         self.tools = tool_client
         self.max_model_len = max_model_len
         self.tool_timeout_s = tool_timeout_s
         self.instance_id = instance_id
 
+    def format_for(self, task: RolloutTask) -> ConversationFormat:
+        """The model's format with the task's preset (a run's own, else this service's)."""
+        name = task.prompt_preset or self.fmt.preset.name
+        if name not in self._formats:
+            try:
+                self._formats[name] = self.fmt.with_preset(name)
+            except ValueError as exc:
+                raise BadTask(f"task {task.task_id}: {exc}") from exc
+        return self._formats[name]
+
     def prompt_ids(self, task: RolloutTask) -> list[int]:
-        ids = self.fmt.prompt_ids(task.prompt)
+        ids = self.format_for(task).prompt_ids(task.prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLong(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
         return ids
@@ -155,13 +170,14 @@ class RolloutRunner:
         ADMISSION_WAIT.observe(time.monotonic() - t0)
         engine = self.engines[engine_idx]
         config = AgentConfig(max_tokens=response_budget, max_turns=sp.max_turns, max_model_len=self.max_model_len)
-        loop = AgentLoop(f"{task.task_id}-{sample}", prompt, config, self.fmt)
+        fmt = self.format_for(task)
+        loop = AgentLoop(f"{task.task_id}-{sample}", prompt, config, fmt)
         natural_end = False
         try:
             async def generate(req: GenerateRequest) -> Generation:
                 gen = await engine.generate(
-                    req, temperature=sp.temperature, top_p=sp.top_p, stop_token_ids=self.fmt.stop_token_ids,
-                    stop_strings=self.fmt.stop_strings, request_id=f"{rollout_id}/t{req.turn}",
+                    req, temperature=sp.temperature, top_p=sp.top_p, stop_token_ids=fmt.stop_token_ids,
+                    stop_strings=fmt.stop_strings, request_id=f"{rollout_id}/t{req.turn}",
                 )
                 GENERATED_TOKENS.inc(len(gen.token_ids))
                 return gen

@@ -13,7 +13,8 @@ Task handling (one handler call per task, ``max_concurrent_tasks`` at once):
    commits per partition only the highest offset below which every task is done, so a crash
    replays exactly the unfinished ones (downstream dedupes by group_id).
 
-A prompt too long for the context is a ``PermanentError`` (dead-lettered with the reason).
+A prompt too long for the context or an unknown preset is a ``PermanentError`` (dead-lettered with
+the reason).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from services.rollout.config import Settings
-from services.rollout.rollouts import AdmissionGate, PromptTooLong, RolloutRunner, publish_engine_stats
+from services.rollout.rollouts import AdmissionGate, BadTask, RolloutRunner, publish_engine_stats
 from services.rollout.scheduler import RolloutScheduler
 from services.rollout.weights import WeightUpdater, tensor_index
 from shared import topics
@@ -199,7 +200,7 @@ class RolloutService(Service):
                 return
         try:
             group = await self.runner.run_task(task)
-        except PromptTooLong as exc:
+        except BadTask as exc:  # a prompt too long for the context, an unknown preset
             TASKS.labels("dead_letter").inc()
             raise PermanentError(str(exc)) from exc
         await self.ctx.producer.send(self.settings.topic(topics.TRAJECTORIES), group, key=group.group_id,

@@ -10,8 +10,8 @@ this module only decides what string a dataset's answer is stored as.
   ``"007"`` → ``"7"``, ``34.0`` → ``"34"``); any other answer (fractions, radicals, tuples,
   intervals, expressions) is kept verbatim. Missing, empty and non-scalar answers raise
   ``ValueError`` with the reason.
-* :func:`canonical_integer` — a pure copy of the reward service's function of the same name
-  (the dataset layer must not import the services); a unit test checks the two agree.
+* :func:`canonical_integer` — the integer fast path's canonical form; the reward service's
+  exact integer check (``services/reward/answers.py``) uses this same function.
 * :func:`answer_kind` — integer, decimal, fraction, radical, tuple, interval or expression:
   what ``rstar data inspect`` counts.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 # --------------------------------------------------------------------------- integers
 #
-# canonical_integer and _matching_brace: copied from services/reward/answers.py (kept equal by
-# tests/unit/datasets/test_answers.py::test_canonical_integer_matches_the_reward_service).
+# canonical_integer and matching_brace serve both the dataset loader (how a gold answer is stored)
+# and the reward service (the exact integer verdict, \boxed{} extraction).
 
 _SPACING = re.compile(r"\\[,!;:> ]|~|\\quad|\\qquad|\\text\{\s*\}")
 _WRAPPERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("{", "}"))
@@ -35,7 +35,7 @@ _THOUSANDS_COMMA = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
 _THOUSANDS_SPACE = re.compile(r"[+-]?\d{1,3}(?: \d{3})+")
 
 
-def _matching_brace(text: str, open_pos: int) -> int:
+def matching_brace(text: str, open_pos: int) -> int:
     """Index of the ``}`` closing the ``{`` at ``open_pos``, or -1. ``\\{`` and ``\\}`` are literals."""
     depth = 0
     i = open_pos
@@ -64,7 +64,7 @@ def canonical_integer(text: str) -> str | None:
         for left, right in _WRAPPERS:
             if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
                 inner = s[len(left) : len(s) - len(right)]
-                if left != "{" or _matching_brace(s, 0) == len(s) - 1:
+                if left != "{" or matching_brace(s, 0) == len(s) - 1:
                     s, changed = inner.strip(), True
         if s.endswith("."):
             s, changed = s[:-1].rstrip(), True
@@ -125,7 +125,7 @@ def _unwrap_once(s: str) -> str | None:
             k = len(cmd)
             while k < len(s) and s[k] == " ":
                 k += 1
-            if k < len(s) and s[k] == "{" and _matching_brace(s, k) == len(s) - 1:
+            if k < len(s) and s[k] == "{" and matching_brace(s, k) == len(s) - 1:
                 return s[k + 1 : -1].strip()
     return None
 

@@ -95,6 +95,11 @@ class HermesFormat:
                 self._tools_inline = True
         self._probe()
 
+    def with_preset(self, preset: str | PromptPreset) -> "HermesFormat":
+        """The same model's format with another preset (the tokenizer is shared, not reloaded)."""
+        p = get_preset(preset) if isinstance(preset, str) else preset
+        return type(self)(self.model, p, tool_response_max_chars=self.tool_response_max_chars)
+
     # ------------------------------------------------------------------ building
 
     def _render(self, messages: list[dict[str, Any]], *, tools=None, add_generation_prompt: bool) -> str:
@@ -113,11 +118,11 @@ class HermesFormat:
     def _tools_block(self) -> str:
         """The tools block Qwen's template writes, for templates that ignore ``tools=``."""
         return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
-                     "with function signatures within <tools></tools> XML tags:\n<tools>\n"
-                     + json.dumps(self.preset.tool_schema, ensure_ascii=False)
-                     + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                       'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
-                       '"arguments": <args-json-object>}\n</tool_call>')
+                "with function signatures within <tools></tools> XML tags:\n<tools>\n"
+                + json.dumps(self.preset.tool_schema, ensure_ascii=False)
+                + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                  'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+                  '"arguments": <args-json-object>}\n</tool_call>')
 
     def _system_text(self, system: str | None = None, *, own: bool = False) -> str | None:
         """The system turn: the preset's (or, ``own``, chat data's ``system``), with the tools block
@@ -158,8 +163,10 @@ class HermesFormat:
         self.tool_wrap = (wrap_head, wrap_tail)
         turn_end = closed[closed.index(_A) + len(_A):]
         ids = self._tok.encode(turn_end, add_special_tokens=False).ids
-        if not ids:
-            raise FormatError(f"{where}: the chat template closes an assistant turn with nothing; no end-of-turn token")
+        if not ids or ids[0] not in self._tok.get_added_tokens_decoder():
+            # An ordinary token (a newline, '###') would end every generation where it first occurs.
+            raise FormatError(f"{where}: the chat template closes an assistant turn with {turn_end[:20]!r}, not a "
+                              "special token; the format needs an end-of-turn token to stop generation on")
         self.end_of_turn_id = int(ids[0])
         self.end_of_turn_text = self._tok.decode([ids[0]], skip_special_tokens=False)
         self.end_ids = frozenset({self.end_of_turn_id} | self.model.eos_ids())

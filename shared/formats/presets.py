@@ -25,7 +25,9 @@ tool it may call) and how a tool's result is shown to it. Chosen by name in the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator
 
 from shared.formats.tags import tool_output_text
 
@@ -166,3 +168,13 @@ def get_preset(name: str) -> PromptPreset:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown prompt preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+def known_preset(name: str) -> str:
+    """``name`` if it is a preset, else ValueError."""
+    get_preset(name)
+    return name
+
+
+# The type of a preset-name field in settings and run configs: validated when they load.
+PresetName = Annotated[str, AfterValidator(known_preset)]

@@ -46,3 +46,22 @@ def test_unusable_directories_fail_with_every_reason_before_an_engine(qwen3_mode
     assert out.returncode == 2 and "cannot start" in out.stderr and "no chat template" in out.stderr
     out = rstar("model", "inspect", str(tmp_path / "missing"))
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_learner_traces_are_rendered_through_the_models_format(qwen3_model, tmp_path):
+    from shared.datasets.sft_traces import read_traces_jsonl
+    from shared.formats import load_format
+
+    out = rstar("learner", "traces", str(qwen3_model), str(tmp_path / "t.jsonl"), "--problems", "5", "--preset", "rstar2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["traces"] == 5
+    fmt = load_format(qwen3_model, "rstar2")
+    rows = read_traces_jsonl(tmp_path / "t.jsonl")
+    assert len(rows) == 5
+    for r in rows:
+        assert fmt.decode(r.prompt_token_ids).startswith("<|im_start|>system\nA conversation between User and Assistant.")
+        text = fmt.decode(r.response_token_ids)
+        assert '"name": "execute_python_code_with_standard_io"' in text and "Tool call success" in text
+        assert r.response_token_ids[-1] == fmt.end_of_turn_id and r.loss_mask[-1] == 1
+    bad = rstar("learner", "traces", str(tmp_path), str(tmp_path / "u.jsonl"))
+    assert bad.returncode == 2 and "no config.json" in bad.stderr

@@ -76,3 +76,17 @@ def test_engine_failure_cancels_siblings_and_frees_the_scheduler():
     asyncio.run(scenario())
     group = asyncio.run(runner(FakeEngine()).run_task(task(4)))  # a retry starts clean
     assert len(group.trajectories) == 4
+
+
+def test_a_task_carries_its_runs_preset_and_an_unknown_one_is_refused():
+    from services.rollout.rollouts import BadTask
+
+    r = runner(FakeEngine())
+    compact = r.prompt_ids(task(1))
+    boxed = task(1).model_copy(update={"prompt_preset": "boxed"})
+    ids = r.prompt_ids(boxed)
+    assert ids != compact and "put your final answer within \\boxed{}" in FMT.decode(ids)
+    group = asyncio.run(r.run_task(boxed))
+    assert group.trajectories[0].finish_reason == "eos"  # "done": no \boxed, the boxed preset's answer
+    with pytest.raises(BadTask, match="unknown prompt preset 'fancy'"):
+        r.prompt_ids(task(1).model_copy(update={"prompt_preset": "fancy"}))
