@@ -39,12 +39,17 @@ def load_run_config_or_exit(path: Path):
     from services.orchestrator.run_config import RunConfigError, load_run_config
     from services.orchestrator.runtime import dataset_for
 
+    reports: dict = {}
     try:
-        cfg = load_run_config(path)
-        train, _ = dataset_for(cfg)  # bad dataset rows fail here, before anything starts
+        cfg = load_run_config(path)  # the model directory is checked here (about a second)
+        train, _ = dataset_for(cfg, reports=reports)  # bad dataset rows fail here, before anything starts
     except (RunConfigError, ValueError) as exc:
         console.print(f"[red]cannot start:[/red] {exc}")
         raise typer.Exit(2) from None
+    for split, report in reports.items():
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(report.answer_kinds.items(), key=lambda kv: -kv[1]))
+        console.print(f"{split} data: {report.rows} rows, {report.problems} problems ({report.duplicates} duplicates "
+                      f"dropped, {report.skipped} bad rows skipped); answers: {kinds}")
     return cfg, len(train)
 
 
