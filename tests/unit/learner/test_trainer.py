@@ -126,6 +126,22 @@ def test_updates_per_step_uses_a_proximal_pass_and_reports_clipping():
     assert m2["ratio_mean"] != pytest.approx(1.0, abs=1e-6)  # later updates move away from the proximal policy
 
 
+def test_the_clip_binds_only_with_more_than_one_mini_batch():
+    """One update per step: the proximal policy is the current weights, every ratio is exactly 1 and
+    neither clip can bind (clip fractions exactly 0). Four mini-batches against the step's fixed
+    proximal policy: later mini-batches have moved, and both clips bind on some tokens."""
+    seqs = random_sequences(16, seed=6)
+    one = PolicyTrainer(tiny_llama(seed=2), TrainerConfig(lr=5e-2, warmup_steps=0, updates_per_step=1,
+                                                          micro_batch_tokens=64))
+    for _ in range(3):
+        m = one.train_step(seqs).metrics
+        assert m["clip_frac_low"] == 0.0 and m["clip_frac_high"] == 0.0
+    four = PolicyTrainer(tiny_llama(seed=2), TrainerConfig(lr=5e-2, warmup_steps=0, updates_per_step=4,
+                                                           micro_batch_tokens=64))
+    fracs = [four.train_step(seqs).metrics for _ in range(3)]
+    assert any(m["clip_frac_high"] > 0 for m in fracs) and any(m["clip_frac_low"] > 0 for m in fracs)
+
+
 def test_warmup_and_optimizer_reset():
     cfg = TrainerConfig(lr=1.0, warmup_steps=4)
     assert [lr_factor(s, cfg) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
