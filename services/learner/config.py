@@ -45,6 +45,9 @@ class Settings(ServiceSettings):
         "push-down of failed samples, see services/learner/loss.py)"
     )
     updates_per_step: int = Field(1, ge=1, description="optimizer updates (mini-batches) per step")
+    sampling_temperature: float = Field(1.0, gt=0, description="the rollouts' sampling temperature: the learner divides "
+                                        "the logits by it, so its log-probs are the sampling policy's (the rollout "
+                                        "returns vLLM's processed, temperature-scaled log-probs)")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (gradient accumulation)")
     row_tokens: int = Field(0, ge=0, description="pack into rows of this many tokens (0: as long as the step's longest sequence)")
     logits_chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=1, description="tokens per chunk of output-layer logits")
@@ -76,6 +79,7 @@ class Settings(ServiceSettings):
             row_tokens=self.row_tokens,
             logits_chunk_tokens=self.logits_chunk_tokens,
             updates_per_step=self.updates_per_step,
+            temperature=self.sampling_temperature,
             gradient_checkpointing=self.gradient_checkpointing,
             loss=LossConfig(
                 clip_eps_low=self.clip_eps_low,

@@ -62,6 +62,7 @@ class TrainerConfig:
     logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     updates_per_step: int = 1
     force_proximal_pass: bool = False
+    temperature: float = 1.0  # the rollouts' sampling temperature (see LogprobModel)
     gradient_checkpointing: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
 
@@ -70,6 +71,8 @@ class TrainerConfig:
             raise ValueError("lr and grad_clip must be > 0, warmup_steps ≥ 0")
         if self.updates_per_step < 1:
             raise ValueError("updates_per_step must be ≥ 1")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0 (RL samples; greedy decoding has no policy gradient)")
         if self.schedule == "cosine" and self.total_steps <= 0:
             raise ValueError("the cosine schedule needs total_steps > 0")
 
@@ -114,10 +117,15 @@ class LogprobModel(torch.nn.Module):
     gathered by the root's pre-forward hook like every other root parameter.
     """
 
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int, autocast_dtype: torch.dtype | None):
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int, autocast_dtype: torch.dtype | None,
+                 temperature: float = 1.0):
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
+        # The rollouts sample from softmax(z / T): the policy whose log-probs the loss needs (and
+        # whose log-probs vLLM returns in processed_logprobs mode). Dividing the hidden states by T
+        # divides the logits by T exactly, and autograd carries the 1/T into both gradients.
+        self.temperature = temperature
         self.autocast_dtype = autocast_dtype
         head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
@@ -131,6 +139,8 @@ class LogprobModel(torch.nn.Module):
             hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                               use_cache=False).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pred_index)
+        if self.temperature != 1.0:
+            flat = flat / self.temperature
         return chunked_token_logprobs(flat, self.model.get_output_embeddings().weight, targets, self.chunk_tokens)
 
 
@@ -170,7 +180,7 @@ class PolicyTrainer:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        self.net = LogprobModel(model, cfg.logits_chunk_tokens, self.autocast_dtype)
+        self.net = LogprobModel(model, cfg.logits_chunk_tokens, self.autocast_dtype, cfg.temperature)
         self.dist = dist
         if dist is not None:
             dist.shard(self.net)

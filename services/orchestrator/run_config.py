@@ -71,8 +71,18 @@ class FormatConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, gt=0.0, description="> 0: the learner divides its logits by it")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    allow_inexact_logprobs: bool = Field(
+        False, description="accept top_p < 1: the learner cannot reproduce a top-p truncation, so its importance "
+                           "ratios then compare against a different policy than the one that sampled")
+
+    @model_validator(mode="after")
+    def _reproducible(self) -> "SamplingConfig":
+        if self.top_p < 1.0 and not self.allow_inexact_logprobs:
+            raise ValueError(f"top_p {self.top_p} < 1 cannot be reproduced by the learner (its log-probs would not be "
+                             "the sampling policy's); set sampling.allow_inexact_logprobs: true to accept that")
+        return self
 
 
 class StageConfig(_Strict):
@@ -162,6 +172,7 @@ class RunConfig(_Strict):
                 "max_steps": self.total_steps,
                 "lr": self.lr,
                 "warmup_steps": self.warmup_steps,
+                "sampling_temperature": self.sampling.temperature,
             },
             "rollout": {"model_path": self.model, "prompt_preset": self.format.preset},
         }

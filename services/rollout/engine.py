@@ -88,6 +88,9 @@ class RolloutEngine:
             model=str(model), dtype=dtype, block_size=block_size, max_model_len=max_model_len,
             enable_prefix_caching=True, max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
             seed=seed, enforce_eager=enforce_eager, disable_log_stats=False,
+            # The log-prob of each sampled token under the distribution it was sampled from (after
+            # temperature), which is what the learner's importance ratios compare against.
+            logprobs_mode="processed_logprobs",
             kv_cache_memory_bytes=int(kv_cache_gib * GiB),
             # A plain collective_rpc("reload_weights") leaves a tied output layer (tiny model,
             # Qwen2-0.5B/1.5B) holding the old weights on vLLM CPU; this extension's

@@ -254,6 +254,8 @@ def test_bad_run_configs_fail_clearly(tmp_path):
         ({**good, "model": str(tmp_path / "nope")}, "does not exist"),
         ({**good, "model": str(no_template)}, "no chat template"),
         ({**good, "format": {"preset": "fancy"}}, "unknown prompt preset 'fancy'"),
+        ({**good, "sampling": {"top_p": 0.9}}, "top_p 0.9 < 1 cannot be reproduced by the learner"),
+        ({**good, "sampling": {"temperature": 0}}, "sampling.temperature: Input should be greater than 0"),
         ({**good, "dataset": {"kind": "file"}}, "needs dataset.paths"),
         ({**good, "max_staleness": -1}, "max_staleness"),
         ({**good, "services": {"lerner": {}}}, "unknown service 'lerner'"),
@@ -270,6 +272,9 @@ def test_bad_run_configs_fail_clearly(tmp_path):
     assert sections["learner"]["torch_threads"] == 1 and sections["learner"]["lr"] == 3e-4
     assert sections["learner"]["groups_per_step"] == tuned.batch_groups
     assert sections["rollout"] == {"model_path": str(model), "prompt_preset": "compact", "max_num_seqs": 64}
+    # The learner divides its logits by the run's sampling temperature; top_p < 1 only by consent.
+    hot = load_run_config(write({**good, "sampling": {"temperature": 0.7, "top_p": 0.95, "allow_inexact_logprobs": True}}))
+    assert hot.service_settings()["learner"]["sampling_temperature"] == 0.7
 
 
 async def test_a_run_with_an_invalid_config_fails_without_stalling_the_others(stack, topic_prefix, db_engine):

@@ -2,11 +2,13 @@
 real engine, and an independent scoring of a sequence by that engine.
 
 How a random model is made to call a tool deterministically: ``ForcedEngine`` is a scripted
-policy at the token level. For a scripted turn of tokens t1..tn it sends the context +
-t1..t(n-1) as a prompt continuation with ``prompt_logprobs`` (the engine's logprob of each forced
-token, computed by the real model) and samples the last token with ``allowed_token_ids=[tn]`` (a
-real sampled token with its logprob). The agent loop, the stop tokens, the tool executor and the
-trajectory arrays are the real ones; only the policy's choice of tokens is scripted.
+policy at the token level. For a scripted turn of tokens t1..tn it sends the context + t1..tn as
+a prompt with ``prompt_logprobs`` (the engine's logprob of each forced token, computed by the
+real model; at T = 1 the same number the engine reports for a sampled token) and discards the one
+token it samples after them. The agent loop, the stop tokens, the tool executor and the
+trajectory arrays are the real ones; only the policy's choice of tokens is scripted. (Sampling
+the last token with ``allowed_token_ids`` would report log-prob 0 for it: the engine returns
+processed log-probs, after that mask.)
 """
 
 from __future__ import annotations
@@ -45,18 +47,14 @@ class ForcedEngine:
         from vllm.sampling_params import RequestOutputKind
 
         forced = self.tok.encode(self.turns[req.turn - 1])[: req.max_new_tokens]
-        prompt = list(req.token_ids) + forced[:-1]
-        params = VSP(max_tokens=1, temperature=temperature, top_p=top_p, logprobs=0, prompt_logprobs=0,
-                     detokenize=False, allowed_token_ids=[forced[-1]], stop_token_ids=stop_token_ids,
+        prompt = list(req.token_ids) + forced
+        params = VSP(max_tokens=1, temperature=temperature, top_p=top_p, prompt_logprobs=0, detokenize=False,
                      output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id or uuid.uuid4().hex):
             final = out
-        comp = final.outputs[0]
-        assert list(comp.token_ids) == [forced[-1]]
         plp = final.prompt_logprobs[len(req.token_ids):]
-        logprobs = [float(d[t].logprob) for d, t in zip(plp, forced[:-1])]
-        logprobs.append(float(comp.logprobs[0][forced[-1]].logprob))
+        logprobs = [float(d[t].logprob) for d, t in zip(plp, forced)]
         return Generation(forced, logprobs, [self.engine.version] * len(forced))
 
 
