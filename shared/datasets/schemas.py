@@ -170,30 +170,34 @@ def _verl_id(row: Mapping[str, Any]) -> str | None:
     return pid
 
 
-class RStarSchema(RowSchema):
+class _VerlLayout(RowSchema):
+    """verl's parquet layout: the problem and the answer at nested paths, the id from
+    ``extra_info.index`` (made unique per ``data_source``, see :func:`_verl_id`)."""
+
+    problem_path = ""
+    answer_path = ""
+    id_field = "extra_info.index"
+
+    def extract(self, row):
+        prompt = problem_text(get_path(row, self.problem_path), self.problem_path)
+        answer = answer_text(get_path(row, self.answer_path), self.answer_path)
+        return Extracted(_verl_id(row), prompt, answer)
+
+
+class RStarSchema(_VerlLayout):
     name = "rstar"
     description = "rStar2-Agent preprocessed parquet: extra_info.question / extra_info.answer"
-    required = ("extra_info.question", "extra_info.answer")
-    reads = ("extra_info.question", "extra_info.answer", "extra_info.index", "data_source")
-    id_field = "extra_info.index"
-
-    def extract(self, row):
-        prompt = problem_text(get_path(row, "extra_info.question"), "extra_info.question")
-        answer = answer_text(get_path(row, "extra_info.answer"), "extra_info.answer")
-        return Extracted(_verl_id(row), prompt, answer)
+    problem_path, answer_path = "extra_info.question", "extra_info.answer"
+    required = (problem_path, answer_path)
+    reads = (problem_path, answer_path, "extra_info.index", "data_source")
 
 
-class VerlSchema(RowSchema):
+class VerlSchema(_VerlLayout):
     name = "verl"
     description = "verl RL parquet (DAPO-Math-17k, ...): prompt messages / reward_model.ground_truth"
-    required = ("prompt", "reward_model.ground_truth")
-    reads = ("prompt", "reward_model.ground_truth", "extra_info.index", "data_source")
-    id_field = "extra_info.index"
-
-    def extract(self, row):
-        prompt = problem_text(get_path(row, "prompt"), "prompt")
-        answer = answer_text(get_path(row, "reward_model.ground_truth"), "reward_model.ground_truth")
-        return Extracted(_verl_id(row), prompt, answer)
+    problem_path, answer_path = "prompt", "reward_model.ground_truth"
+    required = (problem_path, answer_path)
+    reads = (problem_path, answer_path, "extra_info.index", "data_source")
 
 
 class _Columns(RowSchema):
