@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.formats import ConversationFormat, ToolResult, load_format
+from shared.formats import ConversationFormat, ToolResult, get_preset, load_format
 from shared.checkpoint import TMP_PREFIX, CheckpointError, fsync_tree
 from lab.tiny_model import create_random_model
 
@@ -128,16 +128,10 @@ class BootstrapSettings:
         if fields["steps"] is not None:
             fields.pop("minutes")  # a fixed step count makes the time budget irrelevant
         fields["format_version"] = FORMAT_VERSION
-        fields["system_prompt"] = load_preset_system()
+        fields["system_prompt"] = get_preset(PRESET).system
         fields["buggy_fraction"] = sft_traces.BUGGY_FRACTION
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def load_preset_system() -> str | None:
-    from shared.formats import get_preset
-
-    return get_preset(PRESET).system
 
 
 def random_model_dir(cache_dir: Path, s: BootstrapSettings) -> Path:

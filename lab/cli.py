@@ -139,8 +139,7 @@ def eval_(
     except (ModelDirError, ValueError) as exc:
         console.print(f"[red]cannot evaluate:[/red] {exc}")
         raise typer.Exit(2) from None
-    console.print(f"format: {fmt.describe()['family']} / preset {chosen} / tool call by "
-                  f"{fmt.describe()['tool_call_detection']}")
+    console.print(f"format: {fmt.family} / preset {chosen} / tool call by {fmt.describe()['tool_call_detection']}")
     if dataset:
         try:
             held_out = load_problems(dataset)

@@ -78,7 +78,7 @@ def traces(
     rows = sft_traces.make_traces(generate_problems(problems, seed=seed, split="train"), seed=seed)
     rows += sft_traces.make_copy_drills(copy_drills, seed=seed)
     sft_traces.write_traces_jsonl(rows, fmt, out)
-    typer.echo(json.dumps({"out": str(out), "traces": len(rows), "format": fmt.describe()["family"], "preset": preset}))
+    typer.echo(json.dumps({"out": str(out), "traces": len(rows), "format": fmt.family, "preset": preset}))
 
 
 def main() -> None:  # pragma: no cover

@@ -187,7 +187,7 @@ class AgentLoop:
         self.loss_mask.extend([1] * len(gen.token_ids))
         self.logprobs.extend(gen.logprobs)
         self.versions.extend(gen.versions)
-        end = self.fmt.classify(list(gen.token_ids))
+        end = self.fmt.classify(gen.token_ids)
         if end == "end":
             self._finish("answer" if self.fmt.has_answer(self.fmt.decode(self.response_ids)) else "eos")
         elif end == "tool_call":
@@ -204,14 +204,14 @@ class AgentLoop:
             return
         if parsed.ok:
             assert parsed.code is not None
-            self._pending = ToolRequest(parsed.code, parsed.stdin)
+            self._pending = ToolRequest(parsed.code, parsed.stdin or "")
             self.state = State.TOOL
             return
         start = turn_text.rfind(TOOL_CALL_START)
         raw = turn_text[start:] if start >= 0 else turn_text
-        result = ToolResult("parse_error", detail=parsed.error or "")
-        self._record(raw, "parse_error", 0.0, self.fmt.tool_result_body(result))
-        self._append_tool_response(result)
+        body = self.fmt.tool_result_body(ToolResult("parse_error", detail=parsed.error or ""))
+        self._record(raw, "parse_error", 0.0, body)
+        self._append_tool_response(body)
 
     def on_tool_result(self, outcome: ToolOutcome) -> None:
         if self.state is not State.TOOL or self._pending is None:
@@ -222,14 +222,16 @@ class AgentLoop:
             self._record(code, outcome.status, outcome.duration_ms, outcome.reason)
             self._finish("tool_failure")
             return
-        self._record(code, outcome.status, outcome.duration_ms, self.fmt.tool_result_body(outcome.result))
-        self._append_tool_response(outcome.result)
+        body = self.fmt.tool_result_body(outcome.result)
+        self._record(code, outcome.status, outcome.duration_ms, body)
+        self._append_tool_response(body)
 
     def _record(self, code: str, status: ToolStatus, duration_ms: float, output: str) -> None:
         self.tool_calls.append(ToolCallRecord(code=code, status=status, duration_ms=max(0.0, duration_ms), output=output))
 
-    def _append_tool_response(self, result: ToolResult) -> None:
-        ids = self.fmt.tool_response_ids(result)
+    def _append_tool_response(self, body: str) -> None:
+        """Append the tool segment around ``body`` (the preset's text of the result, already cut)."""
+        ids = self.fmt.tool_response_ids(body)
         if len(ids) > self._room():
             self._finish("max_tokens")
             return

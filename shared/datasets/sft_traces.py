@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.datasets.problem import Problem
-from shared.formats import ConversationFormat, ToolResult
+from shared.formats import ConversationFormat, ToolResult, parse_call_object
 from shared.formats.tags import tool_output_text
 
 # Fraction of traces whose first tool call is buggy and fixed by the second (as in the
@@ -414,32 +414,24 @@ def steps_from_messages(messages: Any, fmt: ConversationFormat, problem_id: str 
     if not rest or rest[-1].get("role") != "assistant":
         raise ChatDataError("the conversation must end with an assistant message")
     steps: list[Step] = []
-    for i, m in enumerate(rest, start=1 + (system is not None) + 1):
+    for i, m in enumerate(rest, start=1 + (system is not None)):  # i: the message's index in the row
         role = m.get("role") if isinstance(m, dict) else None
         if role == "assistant":
             if m.get("content"):
                 steps.append(Step("say", str(m["content"])))
             for call in m.get("tool_calls") or []:
-                fn = call.get("function", call) if isinstance(call, dict) else None
-                name = fn.get("name") if isinstance(fn, dict) else None
-                if name != fmt.preset.tool_name:
-                    raise ChatDataError(f"messages[{i - 1}]: tool call of {name!r}; the format's tool is {fmt.preset.tool_name!r}")
-                args = fn.get("arguments")
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args)
-                    except json.JSONDecodeError as exc:
-                        raise ChatDataError(f"messages[{i - 1}]: tool call arguments are not JSON: {exc}") from None
-                if not isinstance(args, dict) or not isinstance(args.get("code"), str):
-                    raise ChatDataError(f"messages[{i - 1}]: tool call arguments need a string 'code'")
-                steps.append(Step("call", args["code"], stdin=args.get("input")))
+                parsed = parse_call_object(call.get("function", call) if isinstance(call, dict) else call,
+                                           fmt.preset.tool_name)
+                if not parsed.ok:
+                    raise ChatDataError(f"messages[{i}]: {parsed.error}")
+                steps.append(Step("call", parsed.code or "", stdin=parsed.stdin))
         elif role == "tool":
             content = m.get("content")
             if not isinstance(content, str):
-                raise ChatDataError(f"messages[{i - 1}]: tool content must be a string")
+                raise ChatDataError(f"messages[{i}]: tool content must be a string")
             steps.append(Step("tool_text", content))
         else:
-            raise ChatDataError(f"messages[{i - 1}]: unexpected role {role!r} after the user message")
+            raise ChatDataError(f"messages[{i}]: unexpected role {role!r} after the user message")
     problem = Problem(problem_id=problem_id, prompt=user, answer="")
     return Trace(problem=problem, steps=tuple(steps), chat=True, system=system)
 

@@ -33,7 +33,6 @@ longer be the ones the policy sampled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,15 +65,38 @@ class FormatError(ModelDirError):
 
 @dataclass(frozen=True)
 class ParsedToolCall:
-    """Either ``code`` (a well-formed call; ``stdin`` its standard input) or ``error``."""
+    """Either ``code`` (a well-formed call; ``stdin`` its standard input, None when the call
+    gives none) or ``error``."""
 
     code: str | None
     error: str | None = None
-    stdin: str = ""
+    stdin: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.code is not None
+
+
+def parse_call_object(obj: Any, tool_name: str) -> ParsedToolCall:
+    """Validate a decoded call ``{"name": ..., "arguments": {"code": ..., "input": ...}}`` (the JSON
+    inside ``<tool_call>``, or an OpenAI-style ``tool_calls[i].function``; the arguments may be a
+    JSON string, as some models double-encode them)."""
+    if not isinstance(obj, dict):
+        return ParsedToolCall(None, "tool call must be a JSON object")
+    if obj.get("name") != tool_name:
+        return ParsedToolCall(None, f"unknown tool {obj.get('name')!r}; the only tool is {tool_name!r}")
+    args = obj.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return ParsedToolCall(None, "tool call arguments are not valid JSON")
+    if not isinstance(args, dict) or not isinstance(args.get("code"), str):
+        return ParsedToolCall(None, 'tool call needs "arguments": {"code": "<python source>"}')
+    stdin = args.get("input")
+    if stdin is not None and not isinstance(stdin, str):
+        return ParsedToolCall(None, '"input" must be a string')
+    return ParsedToolCall(args["code"], stdin=stdin)
 
 
 class HermesFormat:
@@ -124,29 +146,34 @@ class HermesFormat:
                   'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
                   '"arguments": <args-json-object>}\n</tool_call>')
 
-    def _system_text(self, system: str | None = None, *, own: bool = False) -> str | None:
-        """The system turn: the preset's (or, ``own``, chat data's ``system``), with the tools block
-        appended when the template cannot render ``tools=``."""
-        text = system if own else self.preset.system
+    def _system_text(self, system: str | None) -> str | None:
+        """A system turn with the tools block appended when the template cannot render ``tools=``."""
         if self._tools_inline:
-            text = f"{text}\n\n{self._tools_block()}" if text else self._tools_block()
-        return text
+            return f"{system}\n\n{self._tools_block()}" if system else self._tools_block()
+        return system
 
-    def _messages(self, user: str, *, bare: bool) -> list[dict[str, Any]]:
-        system = None if bare else self._system_text()
+    @property
+    def _template_tools(self) -> list[dict[str, Any]] | None:
+        """What the template's ``tools=`` gets: the schema, unless it is inlined in the system turn."""
+        return None if self._tools_inline else self._tools
+
+    def _messages(self, user: str, system: str | None) -> list[dict[str, Any]]:
         head = [{"role": "system", "content": system}] if system is not None else []
         return head + [{"role": "user", "content": user}]
+
+    def _tool_prompt(self, user: str, system: str | None) -> str:
+        """The prompt of a user turn with the tool described (template tools block or inlined)."""
+        return self._render(self._messages(user, self._system_text(system)), tools=self._template_tools,
+                            add_generation_prompt=True)
 
     def _probe(self) -> None:
         """Find the tool-message wrap and the end-of-turn token from placeholder renderings."""
         where = f"model directory {self.model.path}"
-        tools = None if self._tools_inline else self._tools
-        prompt = self._render(self._messages(_Q, bare=False), tools=tools, add_generation_prompt=True)
-        after_tool = self._render(self._messages(_Q, bare=False) + [
-            {"role": "assistant", "content": _A}, {"role": "tool", "content": _T}],
-            tools=tools, add_generation_prompt=True)
-        closed = self._render(self._messages(_Q, bare=False) + [{"role": "assistant", "content": _A}],
-                              tools=tools, add_generation_prompt=False)
+        tools, head = self._template_tools, self._messages(_Q, self._system_text(self.preset.system))
+        prompt = self._render(head, tools=tools, add_generation_prompt=True)
+        after_tool = self._render(head + [{"role": "assistant", "content": _A}, {"role": "tool", "content": _T}],
+                                  tools=tools, add_generation_prompt=True)
+        closed = self._render(head + [{"role": "assistant", "content": _A}], tools=tools, add_generation_prompt=False)
         for name, text in (("a tool message", after_tool), ("an assistant message", closed)):
             if text.count(_A) != 1:
                 raise FormatError(f"{where}: the chat template does not render {name} after the assistant's "
@@ -170,6 +197,10 @@ class HermesFormat:
         self.end_of_turn_id = int(ids[0])
         self.end_of_turn_text = self._tok.decode([ids[0]], skip_special_tokens=False)
         self.end_ids = frozenset({self.end_of_turn_id} | self.model.eos_ids())
+        # What the engine stops on: the closing tag (as a token where it is one, else as text) and
+        # every end id.
+        self.stop_token_ids = ([self.tool_call_end_id] if self.tool_call_end_id is not None else []) + sorted(self.end_ids)
+        self.stop_strings = [] if self.tool_call_end_id is not None else [TOOL_CALL_END]
 
     # ------------------------------------------------------------------ tokens
 
@@ -184,32 +215,19 @@ class HermesFormat:
     def prompt_text(self, problem: str, *, bare: bool = False) -> str:
         """The rendered prompt up to the generation prompt. ``bare``: only a user turn holding the
         problem as given (no system turn, no tools, no preset wording; the SFT copy drills)."""
-        user = problem if bare else self.preset.user_text(problem)
-        tools = None if (bare or self._tools_inline) else self._tools
-        return self._render(self._messages(user, bare=bare), tools=tools, add_generation_prompt=True)
+        if bare:
+            return self._render(self._messages(problem, None), tools=None, add_generation_prompt=True)
+        return self._tool_prompt(self.preset.user_text(problem), self.preset.system)
 
     def chat_prompt_text(self, user: str, system: str | None) -> str:
         """A prompt from chat data's own messages (no preset wording), with the tool described as
         the format describes it."""
-        text = self._system_text(system, own=True)
-        head = [{"role": "system", "content": text}] if text is not None else []
-        return self._render(head + [{"role": "user", "content": user}], tools=None if self._tools_inline else self._tools,
-                            add_generation_prompt=True)
+        return self._tool_prompt(user, system)
 
     def prompt_ids(self, problem: str, *, bare: bool = False) -> list[int]:
         return self.encode(self.prompt_text(problem, bare=bare))
 
     # ------------------------------------------------------------------ generation
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        ids = sorted(self.end_ids)
-        return ([self.tool_call_end_id] if self.tool_call_end_id is not None else []) + ids
-
-    @property
-    def stop_strings(self) -> list[str]:
-        """Text stops for the engine: the closing tag, when the vocabulary has no single token for it."""
-        return [] if self.tool_call_end_id is not None else [TOOL_CALL_END]
 
     def classify(self, turn_ids: list[int]) -> TurnEnd:
         """How a generation ended: an end id, a tool call's closing tag, or out of room."""
@@ -222,17 +240,15 @@ class HermesFormat:
             return "tool_call" if last == self.tool_call_end_id else "truncated"
         # Text detection: a stop string ends generation on the token that completes it, which may
         # carry a few characters past the tag; anything further back would have stopped earlier.
-        tail = self.decode(turn_ids[-8:])
-        text = self.decode(turn_ids)
-        start = text.rfind(TOOL_CALL_START)
-        return "tool_call" if start >= 0 and TOOL_CALL_END in text[start:] and TOOL_CALL_END in tail else "truncated"
+        # As with the stop token, a tag without its opening is still a call (the parser says why
+        # it is malformed).
+        return "tool_call" if TOOL_CALL_END in self.decode(turn_ids[-8:]) else "truncated"
 
     # ------------------------------------------------------------------ tool calls
 
     def tool_call_text(self, code: str, stdin: str | None = None) -> str:
         args: dict[str, Any] = {"code": code}
-        if stdin is not None or "input" in (self.preset.tool_schema or {}).get("function", {}).get("parameters", {}).get(
-                "required", []):
+        if stdin is not None or self.preset.tool_takes_input:
             args["input"] = stdin or ""
         payload = json.dumps({"name": self.preset.tool_name, "arguments": args}, ensure_ascii=False)
         return f"{TOOL_CALL_START}{payload}{TOOL_CALL_END}"
@@ -250,23 +266,7 @@ class HermesFormat:
             obj = json.loads(body.strip())
         except json.JSONDecodeError as exc:
             return ParsedToolCall(None, f"tool call is not valid JSON: {exc.msg} at position {exc.pos}")
-        if not isinstance(obj, dict):
-            return ParsedToolCall(None, "tool call must be a JSON object")
-        name = self.preset.tool_name
-        if obj.get("name") != name:
-            return ParsedToolCall(None, f"unknown tool {obj.get('name')!r}; the only tool is {name!r}")
-        args = obj.get("arguments")
-        if isinstance(args, str):  # some models double-encode the arguments
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return ParsedToolCall(None, "tool call arguments are not valid JSON")
-        if not isinstance(args, dict) or not isinstance(args.get("code"), str):
-            return ParsedToolCall(None, 'tool call needs "arguments": {"code": "<python source>"}')
-        stdin = args.get("input", "")
-        if not isinstance(stdin, str):
-            return ParsedToolCall(None, '"input" must be a string')
-        return ParsedToolCall(args["code"], stdin=stdin)
+        return parse_call_object(obj, self.preset.tool_name)
 
     def tool_result_body(self, result: ToolResult) -> str:
         """The preset's text of a result, cut to ``tool_response_max_chars`` (head and tail kept)."""
@@ -291,15 +291,6 @@ class HermesFormat:
         return ANSWER_START in text if self.preset.answer_tags else "\\boxed" in text
 
     # ------------------------------------------------------------------ identity
-
-    def fingerprint(self) -> str:
-        """Changes whenever the token ids this format produces could change."""
-        h = hashlib.sha256()
-        for part in (self.family, self.model.chat_template or "", json.dumps(self.preset.__dict__, sort_keys=True, default=str),
-                     str(self.tool_response_max_chars), self.model.tokenizer.to_str()):
-            h.update(part.encode())
-            h.update(b"\0")
-        return h.hexdigest()[:16]
 
     def describe(self) -> dict[str, Any]:
         """What ``rstar`` commands print about the format chosen for a model."""

@@ -115,6 +115,12 @@ class PromptPreset:
     answer_tags: bool = True  # the answer is asked for inside <answer>...</answer>
     result_style: Literal["plain", "rstar2"] = "plain"
 
+    @property
+    def tool_takes_input(self) -> bool:
+        """Whether the tool's schema requires ``input`` (the release's tool does): calls then carry it."""
+        params = (self.tool_schema or {}).get("function", {}).get("parameters", {})
+        return "input" in params.get("required", [])
+
     def user_text(self, problem: str) -> str:
         return self.user.replace("{problem}", problem)
 
