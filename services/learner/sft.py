@@ -31,6 +31,7 @@ packed into rows of ``row_tokens`` with position ids restarting per example.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -55,7 +56,8 @@ class SftDataError(ValueError):
     """A malformed trace row (the message names the file and line)."""
 
 
-def _row_to_sequence(row: Any, tokenizer: Any, where: str, fmt_of: Callable[[], Any] | None = None) -> TrainSequence:
+def _row_to_sequence(row: Any, where: str, tokenizer_of: Callable[[], Any] | None,
+                     fmt_of: Callable[[], Any] | None) -> TrainSequence:
     if not isinstance(row, dict):
         raise SftDataError(f"{where}: expected a JSON object")
     if "response_token_ids" in row:
@@ -67,6 +69,7 @@ def _row_to_sequence(row: Any, tokenizer: Any, where: str, fmt_of: Callable[[], 
             raise SftDataError(f"{where}: {exc}") from exc
         return seq
     if "text_segments" in row:
+        tokenizer = tokenizer_of() if tokenizer_of is not None else None
         if tokenizer is None:
             raise SftDataError(f"{where}: text_segments rows need the model directory's tokenizer")
         prompt: list[int] = []
@@ -97,8 +100,15 @@ def _row_to_sequence(row: Any, tokenizer: Any, where: str, fmt_of: Callable[[], 
 
 
 def load_sft_jsonl(path: str | Path, tokenizer: Any = None, *, vocab_size: int | None = None,
+                   tokenizer_of: Callable[[], Any] | None = None,
                    fmt_of: Callable[[], Any] | None = None) -> list[TrainSequence]:
-    """Read trace rows; raises :class:`SftDataError` (with file:line) on the first bad row."""
+    """Read trace rows; raises :class:`SftDataError` (with file:line) on the first bad row.
+
+    The tokenizer (``tokenizer``, or ``tokenizer_of()`` called the first time a text row needs it)
+    and the conversation format (``fmt_of()``) are only needed by text and chat rows: token-id rows
+    (the bootstrap's) load nothing."""
+    if tokenizer is not None:
+        tokenizer_of = lambda: tokenizer  # noqa: E731
     out: list[TrainSequence] = []
     with Path(path).open() as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -109,7 +119,7 @@ def load_sft_jsonl(path: str | Path, tokenizer: Any = None, *, vocab_size: int |
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise SftDataError(f"{where}: not JSON: {exc}") from exc
-            seq = _row_to_sequence(row, tokenizer, where, fmt_of)
+            seq = _row_to_sequence(row, where, tokenizer_of, fmt_of)
             if vocab_size is not None:
                 bad = [t for t in seq.prompt_ids + seq.response_ids if not 0 <= t < vocab_size]
                 if bad:
@@ -205,23 +215,24 @@ def train_sft(
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    tokenizer = None
-    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_model(model_dir, resolve_device(device))
     vocab = model.get_input_embeddings().weight.shape[0]
-    formats: list[Any] = []
 
-    def fmt_of():  # built only when a row needs it (chat-message rows)
-        if not formats:
-            from shared.formats import load_format
+    @functools.cache
+    def tokenizer_of():  # loaded only when a text row needs it
+        if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()):
+            return None
+        from transformers import AutoTokenizer
 
-            formats.append(load_format(model_dir, preset))
-        return formats[0]
+        return AutoTokenizer.from_pretrained(str(model_dir))
 
-    seqs = load_sft_jsonl(traces_jsonl, tokenizer, vocab_size=vocab, fmt_of=fmt_of)
+    @functools.cache
+    def fmt_of():  # built only when a chat-message row needs it
+        from shared.formats import load_format
+
+        return load_format(model_dir, preset)
+
+    seqs = load_sft_jsonl(traces_jsonl, vocab_size=vocab, tokenizer_of=tokenizer_of, fmt_of=fmt_of)
     cfg = TrainerConfig(lr=lr, warmup_steps=0, weight_decay=weight_decay, grad_clip=grad_clip,
                         micro_batch_tokens=micro_batch_tokens or batch_tokens, row_tokens=row_tokens)
     trainer = PolicyTrainer(model, cfg, pad_id=pad_token_id(model_dir))
