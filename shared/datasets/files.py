@@ -31,7 +31,15 @@ from typing import Any, Literal
 from shared.datasets.answers import answer_kind
 from shared.datasets.problem import Problem
 from shared.datasets.prompts import normalise_problem
-from shared.datasets.schemas import SCHEMAS, FieldError, FieldMapping, RowSchema, content_id, detect_schema
+from shared.datasets.schemas import (
+    SCHEMAS,
+    Extracted,
+    FieldError,
+    FieldMapping,
+    RowSchema,
+    content_id,
+    detect_schema,
+)
 
 OnBadRow = Literal["error", "skip"]
 
@@ -282,6 +290,93 @@ def _answer_key(answer: str) -> str:
     return "".join(answer.split())
 
 
+class _Loader:
+    """One :func:`load_problem_set` call: the problems so far, the dedupe and id indexes, the
+    report and the errors. ``load_file`` reads one file; ``add`` decides about one extracted row."""
+
+    def __init__(self, mapping: FieldMapping | None, on_bad_row: OnBadRow, dedupe: bool):
+        self.mapping, self.on_bad_row, self.dedupe = mapping, on_bad_row, dedupe
+        self.report = ProblemSetReport(dedupe=dedupe)
+        self.problems: list[Problem] = []
+        self.errors: list[RowError] = []
+        self.n_errors = 0
+        self.by_key: dict[str, tuple[int, str, int]] = {}  # normalised problem -> (index in problems, file, row)
+        self.by_id: dict[str, tuple[str, int, str]] = {}  # problem id -> (file, row, normalised problem)
+        self.content_repeats: Counter[str] = Counter()
+
+    def error(self, err: RowError) -> None:
+        self.n_errors += 1
+        if len(self.errors) < ProblemSetError.MAX_KEPT:
+            self.errors.append(err)
+
+    def bad(self, file: FileReport, line: int, fld: str, reason: str) -> None:
+        """A bad row: an error, or (``on_bad_row="skip"``) skipped and counted."""
+        err = RowError(file.path, line, fld, reason)
+        if self.on_bad_row != "skip":
+            self.error(err)
+            return
+        file.skipped += 1
+        if len(self.report.skipped_rows) < self.report.MAX_WARNINGS:
+            self.report.skipped_rows.append(err)
+
+    def load_file(self, path: Path) -> None:
+        file = FileReport(str(path))
+        self.report.files.append(file)
+        try:
+            if not path.is_file():
+                raise _FileError("file", "file not found")
+            columns, open_rows = _columns_and_rows(path)
+            schema = _choose_schema(columns, self.mapping)
+            file.schema = schema.name
+            for line, row in open_rows(schema):
+                file.rows += 1
+                if isinstance(row, _BadRow):
+                    self.bad(file, line, row.field, row.reason)
+                elif not isinstance(row, Mapping):
+                    self.bad(file, line, "row", f"not a JSON object (a {type(row).__name__})")
+                else:
+                    try:
+                        self.add(file, line, schema, schema.extract(row))
+                    except FieldError as exc:
+                        self.bad(file, line, exc.field, exc.reason)
+            if file.rows == 0:
+                raise _FileError("file", "no rows")
+        except _FileError as exc:
+            self.error(RowError(file.path, 0, exc.field, exc.reason))
+
+    def add(self, file: FileReport, line: int, schema: RowSchema, ex: Extracted) -> None:
+        """Keep an extracted row, or count it as a duplicate, or refuse its id."""
+        key = normalise_problem(ex.prompt)
+        if self.dedupe and key in self.by_key:
+            self.duplicate(file, line, key, ex.answer)
+            return
+        pid = ex.problem_id
+        if pid is None:
+            pid = content_id(ex.prompt, ex.answer)
+            self.content_repeats[pid] += 1
+            if self.content_repeats[pid] > 1:  # the same row again, kept because dedupe is off
+                pid = f"{pid}-{self.content_repeats[pid]}"
+        if pid in self.by_id:
+            first_file, first_line, first_key = self.by_id[pid]
+            what = "another problem" if first_key != key else "the same problem (dedupe is off)"
+            self.bad(file, line, schema.id_field or "id", f"duplicate id {pid!r}: {what} has it at {first_file}:{first_line}")
+            return
+        self.by_id[pid] = (file.path, line, key)
+        self.by_key.setdefault(key, (len(self.problems), file.path, line))
+        self.problems.append(Problem(problem_id=pid, prompt=ex.prompt, answer=ex.answer))
+        file.problems += 1
+
+    def duplicate(self, file: FileReport, line: int, key: str, answer: str) -> None:
+        index, first_file, first_line = self.by_key[key]
+        file.duplicates += 1
+        kept = self.problems[index].answer
+        if _answer_key(kept) != _answer_key(answer):
+            self.report.conflicting_answers += 1
+            if len(self.report.warnings) < self.report.MAX_WARNINGS:
+                self.report.warnings.append(f"{file.path}:{line}: the problem of {first_file}:{first_line} with another "
+                                            f"answer ({answer!r}; kept {kept!r})")
+
+
 def load_problem_set(
     paths: str | Path | Iterable[str | Path],
     *,
@@ -298,93 +393,13 @@ def load_problem_set(
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    mapping = FieldMapping.parse(fields) if fields else None
-
-    report = ProblemSetReport(dedupe=dedupe)
-    errors: list[RowError] = []
-    n_errors = 0
-    problems: list[Problem] = []
-    by_key: dict[str, tuple[int, str, int]] = {}  # normalised problem -> (index in problems, file, row)
-    by_id: dict[str, tuple[str, int, str]] = {}  # problem id -> (file, row, normalised problem)
-    content_repeats: Counter[str] = Counter()
-
-    def error(err: RowError) -> None:
-        nonlocal n_errors
-        n_errors += 1
-        if len(errors) < ProblemSetError.MAX_KEPT:
-            errors.append(err)
-
+    loader = _Loader(FieldMapping.parse(fields) if fields else None, on_bad_row, dedupe)
     for p in paths:
-        path = Path(p)
-        name = str(path)
-        file_report = FileReport(name)
-        report.files.append(file_report)
-
-        def bad(line: int, fld: str, reason: str) -> None:
-            err = RowError(name, line, fld, reason)
-            if on_bad_row == "skip":
-                file_report.skipped += 1
-                if len(report.skipped_rows) < report.MAX_WARNINGS:
-                    report.skipped_rows.append(err)
-            else:
-                error(err)
-
-        try:
-            if not path.is_file():
-                raise _FileError("file", "file not found")
-            columns, open_rows = _columns_and_rows(path)
-            schema = _choose_schema(columns, mapping)
-            file_report.schema = schema.name
-            for line, row in open_rows(schema):
-                file_report.rows += 1
-                if isinstance(row, _BadRow):
-                    bad(line, row.field, row.reason)
-                    continue
-                if not isinstance(row, Mapping):
-                    bad(line, "row", f"not a JSON object (a {type(row).__name__})")
-                    continue
-                try:
-                    ex = schema.extract(row)
-                except FieldError as exc:
-                    bad(line, exc.field, exc.reason)
-                    continue
-                key = normalise_problem(ex.prompt)
-                if dedupe and key in by_key:
-                    index, first_file, first_line = by_key[key]
-                    file_report.duplicates += 1
-                    kept = problems[index].answer
-                    if _answer_key(kept) != _answer_key(ex.answer):
-                        report.conflicting_answers += 1
-                        if len(report.warnings) < report.MAX_WARNINGS:
-                            report.warnings.append(
-                                f"{name}:{line}: the problem of {first_file}:{first_line} with another answer "
-                                f"({ex.answer!r}; kept {kept!r})")
-                    continue
-                pid = ex.problem_id
-                if pid is None:
-                    pid = content_id(ex.prompt, ex.answer)
-                    content_repeats[pid] += 1
-                    if content_repeats[pid] > 1:  # the same row again, kept because dedupe is off
-                        pid = f"{pid}-{content_repeats[pid]}"
-                if pid in by_id:
-                    first_file, first_line, first_key = by_id[pid]
-                    what = "another problem" if first_key != key else "the same problem (dedupe is off)"
-                    bad(line, schema.id_field or "id",
-                        f"duplicate id {pid!r}: {what} has it at {first_file}:{first_line}")
-                    continue
-                by_id[pid] = (name, line, key)
-                by_key.setdefault(key, (len(problems), name, line))
-                problems.append(Problem(problem_id=pid, prompt=ex.prompt, answer=ex.answer))
-                file_report.problems += 1
-            if file_report.rows == 0:
-                raise _FileError("file", "no rows")
-        except _FileError as exc:
-            error(RowError(name, 0, exc.field, exc.reason))
-
-    if n_errors:
-        raise ProblemSetError(errors, n_errors)
-    report.answer_kinds = dict(Counter(answer_kind(p.answer) for p in problems).most_common())
-    return ProblemSet(problems, report)
+        loader.load_file(Path(p))
+    if loader.n_errors:
+        raise ProblemSetError(loader.errors, loader.n_errors)
+    loader.report.answer_kinds = dict(Counter(answer_kind(p.answer) for p in loader.problems).most_common())
+    return ProblemSet(loader.problems, loader.report)
 
 
 def load_problems(paths: str | Path | Iterable[str | Path], **options: Any) -> list[Problem]:
