@@ -47,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from services.reward.checker import AnswerChecker  # noqa: E402
 from services.reward.roc import RocConfig  # noqa: E402
 from services.reward.scoring import score_trajectory_group  # noqa: E402
-from shared.formats.tags import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START  # noqa: E402
+from lab.tiny_model import compact_answer as format_answer  # noqa: E402
+from lab.tiny_model import compact_tool_call as format_tool_call  # noqa: E402
+from lab.tiny_model import compact_tool_response as format_tool_response  # noqa: E402
 from shared.events import ToolCallRecord, Trajectory, TrajectoryGroup  # noqa: E402
 
 GROUP = 32
@@ -58,18 +60,6 @@ SYMBOLIC_GOLD = [("\\frac{1}{2}", ["0.5", "\\dfrac{1}{2}", "\\frac{2}{4}", "1/3"
                  ("\\sqrt{2}", ["\\sqrt{2}", "1.41421356", "2^{1/2}", "\\frac{\\sqrt{8}}{2}", "1.4"]),
                  ("\\frac{3}{4}", ["0.75", "\\frac{6}{8}", "3/4", "\\frac{3}{5}", "75\\%"]),
                  ("2\\pi", ["2\\pi", "6.283185", "\\pi", "\\frac{4\\pi}{2}", "6.28"])]
-
-
-def format_tool_call(code: str) -> str:
-    return TOOL_CALL_START + json.dumps({"name": "python", "arguments": {"code": code}}) + TOOL_CALL_END
-
-
-def format_tool_response(output: str) -> str:
-    return f"\n{TOOL_RESPONSE_START}\n{output}\n{TOOL_RESPONSE_END}\n"
-
-
-def format_answer(value: str) -> str:
-    return f"<answer>The answer is \\boxed{{{value}}}</answer>"
 
 
 def make_group(i: int, kind: str, rng: random.Random) -> TrajectoryGroup:

@@ -143,22 +143,23 @@ _ERRORS = (
 )
 
 
-# The texts the tiny model's format renders (checked against shared.formats by the unit tests):
+# The texts the compact format renders for the tiny model (checked against shared.formats by the unit
+# tests; bench/reward.py builds synthetic responses with them):
 # written out here because the tokenizer has to exist before a format can be built from it.
-def _prompt(problem: str, system: str | None) -> str:
+def compact_prompt(problem: str, system: str | None) -> str:
     head = f"{IM_START}system\n{system}{IM_END}\n" if system is not None else ""
     return head + f"{IM_START}user\n{problem}{IM_END}\n{IM_START}assistant\n"
 
 
-def _tool_call(code: str) -> str:
+def compact_tool_call(code: str) -> str:
     return tags.TOOL_CALL_START + json.dumps({"name": "python", "arguments": {"code": code}}, ensure_ascii=False) + tags.TOOL_CALL_END
 
 
-def _tool_response(output: str) -> str:
+def compact_tool_response(output: str) -> str:
     return f"\n{tags.TOOL_RESPONSE_START}\n{output}\n{tags.TOOL_RESPONSE_END}\n"
 
 
-def _answer(value: str) -> str:
+def compact_answer(value: str) -> str:
     return f"{tags.ANSWER_START}The answer is \\boxed{{{value}}}{tags.ANSWER_END}"
 
 
@@ -171,16 +172,16 @@ def _corpus(n_docs: int = _CORPUS_DOCS, seed: int = _CORPUS_SEED) -> list[str]:
         problem = rng.choice(_PROBLEM_TEMPLATES).format(**nums)
         # The system prompt repeats in every real prompt; include it in a tenth of the documents
         # so its words get merges without crowding out code and number-formatting merges.
-        doc = _prompt(problem, PRESETS["compact"].system) if i % 10 == 0 else f"{IM_START}user\n{problem}{IM_END}\n"
+        doc = compact_prompt(problem, PRESETS["compact"].system) if i % 10 == 0 else f"{IM_START}user\n{problem}{IM_END}\n"
         doc += rng.choice(_REASONING) + "\n"
         if rng.random() < 0.3:
-            doc += _tool_call(rng.choice(_CODE_TEMPLATES).format(**nums).replace("math.", "maths."))
-            doc += _tool_response(rng.choice(_ERRORS).format(w=rng.choice(["n", "result", "x", "maths"])))
+            doc += compact_tool_call(rng.choice(_CODE_TEMPLATES).format(**nums).replace("math.", "maths."))
+            doc += compact_tool_response(rng.choice(_ERRORS).format(w=rng.choice(["n", "result", "x", "maths"])))
             doc += rng.choice(_REASONING) + "\n"
-        doc += _tool_call(rng.choice(_CODE_TEMPLATES).format(**nums))
+        doc += compact_tool_call(rng.choice(_CODE_TEMPLATES).format(**nums))
         value = str(rng.randint(0, 10 ** rng.randint(1, 12)))
-        doc += _tool_response(value)
-        doc += _answer(value) + IM_END
+        doc += compact_tool_response(value)
+        doc += compact_answer(value) + IM_END
         docs.append(doc)
     return docs
 

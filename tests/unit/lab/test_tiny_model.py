@@ -20,10 +20,10 @@ from lab.tiny_model import (
     EOS_TOKEN,
     IM_END,
     IM_START,
-    _answer,
-    _prompt,
-    _tool_call,
-    _tool_response,
+    compact_answer,
+    compact_prompt,
+    compact_tool_call,
+    compact_tool_response,
     VOCAB_SIZE,
     build_tokenizer,
     create_random_model,
@@ -68,7 +68,7 @@ def test_chat_format_tags_are_single_tokens(tokenizer):
     ids = {t: tid(t) for t in TAGS}
     assert None not in ids.values() and len(set(ids.values())) == len(TAGS)
     # Tags stay single tokens inside running text too.
-    text = _tool_call("print(1)") + _tool_response("1") + _answer("1") + IM_END
+    text = compact_tool_call("print(1)") + compact_tool_response("1") + compact_answer("1") + IM_END
     enc = tokenizer.encode(text, add_special_tokens=False)
     for tag in TAGS[1:]:
         assert ids[tag] in enc
@@ -79,17 +79,17 @@ def test_the_chat_template_renders_the_compact_format_the_corpus_was_written_in(
     from shared.formats import get_preset
 
     fmt = tiny_format
-    assert fmt.prompt_text("Compute 2 + 2.") == _prompt("Compute 2 + 2.", get_preset("compact").system)
-    assert fmt.prompt_text("Repeat 12", bare=True) == _prompt("Repeat 12", None)
-    assert fmt.tool_response_text(ToolResult("ok", "4\n")) == _tool_response("4\n")
-    assert fmt.tool_call_text("print(1)") == _tool_call("print(1)")
-    assert fmt.answer_text("7") == _answer("7")
+    assert fmt.prompt_text("Compute 2 + 2.") == compact_prompt("Compute 2 + 2.", get_preset("compact").system)
+    assert fmt.prompt_text("Repeat 12", bare=True) == compact_prompt("Repeat 12", None)
+    assert fmt.tool_response_text(ToolResult("ok", "4\n")) == compact_tool_response("4\n")
+    assert fmt.tool_call_text("print(1)") == compact_tool_call("print(1)")
+    assert fmt.answer_text("7") == compact_answer("7")
     assert fmt.end_of_turn_text == IM_END and fmt.stop_strings == []
     assert fmt.stop_token_ids == [fmt.model.single_token(tags.TOOL_CALL_END), fmt.model.single_token(IM_END)]
 
 
 def test_no_bos_is_added(tokenizer):
-    prompt = _prompt("Compute 2 + 2.", "Solve.")
+    prompt = compact_prompt("Compute 2 + 2.", "Solve.")
     ids = tokenizer.encode(prompt)
     assert tokenizer.decode(ids) == prompt
     assert ids[0] == tokenizer.convert_tokens_to_ids(IM_START)
@@ -103,10 +103,10 @@ def test_round_trip_arbitrary_text(tokenizer, text):
 
 
 def test_round_trip_chat_text(tokenizer):
-    text = (_prompt("What is 123 * 456 - 7?", "Solve.") + "Let me compute.\n"
-            + _tool_call("a = 123\nprint(a * 456 - 7)")
-            + _tool_response("Traceback (most recent call last):\n  NameError: name 'x'")
-            + _answer("56081") + IM_END)
+    text = (compact_prompt("What is 123 * 456 - 7?", "Solve.") + "Let me compute.\n"
+            + compact_tool_call("a = 123\nprint(a * 456 - 7)")
+            + compact_tool_response("Traceback (most recent call last):\n  NameError: name 'x'")
+            + compact_answer("56081") + IM_END)
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
@@ -149,7 +149,7 @@ def test_random_model_loads_with_transformers(tiny_model_dir, tokenizer):
     assert 1.5e6 < n_params < 3e6
     info = json.loads((tiny_model_dir / "tiny_model.json").read_text())
     assert info["parameters"] == n_params
-    ids = torch.tensor([tokenizer.encode(_prompt("Compute 1 + 1.", "Solve."))])
+    ids = torch.tensor([tokenizer.encode(compact_prompt("Compute 1 + 1.", "Solve."))])
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], VOCAB_SIZE)
