@@ -51,18 +51,22 @@ def test_run_code_captures_output_and_tracebacks():
 
 
 def test_code_results_are_shown_as_the_rollout_shows_executor_results(tiny_format, qwen3_format):
+    """The trace generator's results are the rollout's: the same ToolResult from the same stdout and
+    stderr, so both render the same tool segment in any format."""
+    from lab.tiny_model import compact_tool_response
     from services.rollout.agent import outcome_from_execution
 
     for stdout, stderr in [("42\n", ""), ("", "Traceback\nNameError: x\n"), ("a\n", "E\n"), ("", "")]:
         status = "error" if stderr else "ok"
-        run = run_code("print(42)") if status == "ok" else None
-        outcome = outcome_from_execution(status, stdout, stderr, 1.0)
-        assert outcome.result == ToolResult(status, stdout, stderr)
-        if run is not None:
-            assert run.result() == ToolResult("ok", "42\n", "")
-    for fmt in (tiny_format, qwen3_format):
-        r = run_code("print(1)\n1/0").result()
-        assert fmt.tool_response_text(r) == fmt.tool_response_text(outcome_from_execution("error", r.stdout, r.stderr, 1.0).result)
+        assert outcome_from_execution(status, stdout, stderr, 1.0).result == ToolResult(status, stdout, stderr)
+    for code, status in [("print(42)", "ok"), ("print('a')\n1/0", "error")]:
+        run = run_code(code)
+        assert run.result() == outcome_from_execution(status, run.stdout, run.stderr, 1.0).result
+    failed = run_code("print('a')\n1/0").result()
+    assert tiny_format.tool_response_text(failed) == compact_tool_response("a\n\n" + failed.stderr)
+    segment = qwen3_format.tool_response_text(failed)
+    assert "Tool call failure\nreason: runtime error\nstdout: a\n\nstderr: Traceback" in segment
+    assert segment.endswith("ZeroDivisionError: division by zero\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("fmt_name", ["tiny_format", "qwen3_format"])

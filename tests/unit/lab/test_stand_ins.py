@@ -20,7 +20,6 @@ def qwen2_model(qwen3_tokenizer_dir, tmp_path_factory):
 def test_family_trains_through_its_format_and_checkpoints(model_name, arch, request, tmp_path):
     import torch
 
-    from lab.stand_in import create_stand_in  # noqa: F401 - the fixtures build with it
     from services.learner.checkpoints import CheckpointStore, LearnerState
     from services.learner.engine import pad_token_id
     from services.learner.packing import TrainSequence
