@@ -155,7 +155,7 @@ def eval_(
         raise typer.Exit(2)
     cfg_eval = EvalConfig(samples=samples, temperature=temperature, max_tokens=max_tokens, max_turns=max_turns,
                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, preset=chosen, dtype=dtype)
-    summary = asyncio.run(evaluate_model(model, held_out[:problems], tool_url, cfg_eval,
+    summary = asyncio.run(evaluate_model(model, held_out[:problems], tool_url, cfg_eval, fmt=fmt,
                                          progress=lambda d, n: console.print(f"{d}/{n}") if d % 20 == 0 or d == n else None))
     t = Table(show_header=False, title=f"eval of {model}")
     for k, v in summary.items():

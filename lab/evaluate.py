@@ -33,8 +33,10 @@ class EvalConfig:
 
 
 async def evaluate_model(model_dir: str | Path, problems: list[Problem], tool_urls: list[str],
-                         cfg: EvalConfig = EvalConfig(), *, progress=None) -> dict:
-    """Run every problem ``cfg.samples`` times; return the summary (pass@1_mean, pass@k, lengths)."""
+                         cfg: EvalConfig = EvalConfig(), *, progress=None, fmt=None) -> dict:
+    """Run every problem ``cfg.samples`` times; return the summary (pass@1_mean, pass@k, lengths).
+
+    ``fmt``: the model's conversation format when the caller has already built (and so checked) it."""
     from services.reward.answers import extract_answer
     from services.reward.checker import AnswerChecker
     from services.rollout.engine import RolloutEngine
@@ -44,7 +46,8 @@ async def evaluate_model(model_dir: str | Path, problems: list[Problem], tool_ur
     from shared.formats import load_format
 
     model_dir = Path(model_dir).resolve()
-    fmt = load_format(model_dir, cfg.preset)  # a model the format cannot use fails here, before the engine
+    if fmt is None:  # a model the format cannot use fails here, before the engine
+        fmt = load_format(model_dir, cfg.preset)
     engine = RolloutEngine(0, model=model_dir, dtype=cfg.dtype, block_size=32, max_model_len=cfg.max_model_len,
                            kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=256, seed=cfg.seed)
     await engine.start()
