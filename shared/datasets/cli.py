@@ -12,12 +12,15 @@ Light imports only (pyarrow, rich, typer): no torch, vLLM or transformers.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from shared.datasets.problem import Problem
 
 app = typer.Typer(help="Problem-set files: what they load as.", no_args_is_help=True)
 console = Console(stderr=True)
@@ -66,15 +69,15 @@ def inspect_cmd(
         t.add_row("total", "", str(report.rows), str(report.problems), str(report.duplicates), str(report.skipped))
     console.print(t)
 
-    first_of_kind: dict[str, str] = {}
+    first_of_kind: dict[str, Problem] = {}  # in file order: the examples show these first
     for p in problem_set.problems:
-        first_of_kind.setdefault(answer_kind(p.answer), p.answer)
+        first_of_kind.setdefault(answer_kind(p.answer), p)
     k = Table(title="answer kinds (distinct problems)")
     k.add_column("kind")
     k.add_column("problems", justify="right")
     k.add_column("example")
     for kind, count in report.answer_kinds.items():
-        k.add_row(kind, str(count), _short(first_of_kind[kind], 40))
+        k.add_row(kind, str(count), _short(first_of_kind[kind].answer, 40))
     console.print(k)
 
     if report.conflicting_answers:
@@ -90,20 +93,8 @@ def inspect_cmd(
 
     if examples:
         # The first problem of each answer kind first (to show the variety), then in file order.
-        chosen = []
-        seen_kinds: set[str] = set()
-        for p in problem_set.problems:
-            kind = answer_kind(p.answer)
-            if kind not in seen_kinds:
-                seen_kinds.add(kind)
-                chosen.append(p)
-            if len(chosen) >= examples:
-                break
-        for p in problem_set.problems:
-            if len(chosen) >= examples:
-                break
-            if p not in chosen:
-                chosen.append(p)
+        chosen = list(first_of_kind.values())[:examples]
+        chosen += itertools.islice((p for p in problem_set.problems if p not in chosen), examples - len(chosen))
         e = Table(title="examples (the problem as the policy sees it, the gold answer)")
         e.add_column("id", overflow="fold")
         e.add_column("problem")
