@@ -83,7 +83,7 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
     from services.orchestrator.cli import watch_run
     from lab.cluster import SERVICE_ORDER, LocalCluster, cluster_for_run
     from lab.evaluate import EvalConfig, evaluate_model
-    from lab.report import load_steps, render
+    from lab.report import EvalPoint, load_steps, render
     from services.orchestrator.runtime import create_run
     from shared.checkpoint import path_from_uri
     from shared.db.session import make_engine, session_factory
@@ -149,9 +149,16 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
             await asyncio.to_thread(rest.stop)
         await asyncio.to_thread(tools.stop)
         await engine.dispose()
+    # The held-out pass@1 on the pass-rate panel: the SFT model before step 1, the evaluated
+    # version at the step that produced it.
+    evaluations = [EvalPoint(0, before["pass@1_mean"], "held-out pass@1 before RL")]
+    if uri is not None:
+        after_step = next((s.step for s in steps if s.version == version), steps[-1].step if steps else 0)
+        evaluations.append(EvalPoint(after_step, after["pass@1_mean"], f"held-out pass@1 of version {version}"))
     report = render(run_id, steps, state_dir / "reports" / run_id, {
         "pass@1 before (SFT)": f"{before['pass@1_mean']:.3f}", "pass@1 after (RL)": f"{after['pass@1_mean']:.3f}",
-        "policy version": version, "eval problems": before["problems"], "samples per problem": EVAL_SAMPLES})
+        "policy version": version, "eval problems": before["problems"], "samples per problem": EVAL_SAMPLES},
+        evaluations=evaluations)
     return {
         "pass1_before": round(before["pass@1_mean"], 4),
         "pass1_after": round(after["pass@1_mean"], 4),
