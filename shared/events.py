@@ -135,6 +135,7 @@ class RocStats(_Model):
     n_neg: int = 0
     n_kept_pos: int = 0
     n_kept_neg: int = 0
+    n_tool_failure: int = Field(0, ge=0, description="rollouts left out: they ended tool_failure (infrastructure)")
 
 
 class ScoredGroup(_Model):
@@ -144,8 +145,8 @@ class ScoredGroup(_Model):
     problem_id: str
     min_policy_version: int
     max_policy_version: int
-    pass_rate: float = Field(ge=0.0, le=1.0, description="over all 2G rollouts, before down-sampling")
-    n_total: int
+    pass_rate: float = Field(ge=0.0, le=1.0, description="over the n_total rollouts, before down-sampling")
+    n_total: int = Field(description="rollouts that count: all 2G but those that ended tool_failure")
     roc_mode: str
     all_equal: bool = Field(description="all kept rewards equal: the group carries no gradient")
     selected: list[ScoredTrajectory]

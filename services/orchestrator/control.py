@@ -21,7 +21,9 @@ Admission (bounded staleness)
 Leases
     Every dispatched task has a deadline. A task whose group has not been scored by then is
     re-dispatched under the same task id (= group id) with ``attempt + 1``; when both copies
-    finish, the reward and the learner keep only the first by group id. After
+    finish, the reward and the learner keep only the first by group id. A task whose current
+    attempt the reward judged lost to infrastructure faults (too many rollouts ended
+    ``tool_failure``: status ``redispatch``) is re-dispatched at once, deadline or not. After
     ``max_attempts`` dispatches a task is given up and counted as dropped (so admission does
     not wait for it forever).
 
@@ -100,10 +102,13 @@ class LeaseDecision:
     give_up: list[Lease]  # exhausted: mark failed, count as dropped
 
 
-def expired_leases(leases: Sequence[Lease], now: datetime, *, max_attempts: int) -> LeaseDecision:
+def expired_leases(leases: Sequence[Lease], now: datetime, *, max_attempts: int,
+                   faulted: frozenset[str] = frozenset()) -> LeaseDecision:
+    """Leases past their deadline, and those in ``faulted`` (task ids whose current attempt was
+    lost to infrastructure faults), split into re-dispatch and give-up."""
     redispatch, give_up = [], []
     for lease in leases:
-        if lease.deadline > now:
+        if lease.deadline > now and lease.task_id not in faulted:
             continue
         (redispatch if lease.attempts < max_attempts else give_up).append(lease)
     return LeaseDecision(redispatch, give_up)

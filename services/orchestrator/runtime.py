@@ -92,10 +92,16 @@ async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:
     # A group is dropped when the reward does not publish it (no signal) or the learner gives
     # it up (stale, no signal, past the last step: ``learner_skipped``, recorded at once).
     skipped = (TrajectoryGroupRow.learner_skipped.is_not(None)) & (TrajectoryGroupRow.status != "dropped")
+    # Groups lost to tool failures (status redispatch) are neither scored nor dropped: their task
+    # is still live (rolled out again, or given up and counted as such).
     groups = (await session.execute(select(
         func.count(), func.count().filter(TrajectoryGroupRow.status == "dropped"),
         func.count().filter(skipped & (TrajectoryGroupRow.learner_skipped == "stale")),
         func.count().filter(skipped), func.avg(TrajectoryGroupRow.pass_rate),
+    ).where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.status != "redispatch"))).one()
+    lost = (await session.execute(select(
+        func.count().filter(TrajectoryGroupRow.status == "redispatch"),
+        func.coalesce(func.sum(TrajectoryGroupRow.n_tool_failure), 0),
     ).where(TrajectoryGroupRow.run_id == run_id))).one()
     progress = control.Progress(
         version=int(version), steps_done=int(steps_done), dispatched=int(dispatched),
@@ -104,7 +110,9 @@ async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:
     figures = {"version": progress.version, "steps_done": progress.steps_done, "dispatched": progress.dispatched,
                "dropped": progress.dropped, "groups_scored": int(groups[0]), "groups_dropped_no_signal": int(groups[1]),
                "dropped_stale": int(groups[2]), "tasks_given_up": int(given_up),
-               "pass_rate_mean": float(groups[4]) if groups[4] is not None else None}
+               "pass_rate_mean": float(groups[4]) if groups[4] is not None else None,
+               # the groups' latest recorded attempts: awaiting a re-dispatch, rollouts left out
+               "groups_lost_to_tool_failure": int(lost[0]), "rollouts_lost_to_tool_failure": int(lost[1])}
     return progress, figures
 
 
@@ -196,8 +204,10 @@ class OrchestratorService(Service):
         run_id = run.run_id
         now = utcnow()
         async with self.ctx.sessions() as session:
-            # Tasks whose group was scored are done (the lease is released).
-            scored = select(TrajectoryGroupRow.group_id).where(TrajectoryGroupRow.run_id == run_id)
+            # Tasks whose group was scored are done (the lease is released); a group lost to
+            # infrastructure faults (status redispatch) is not: its task is rolled out again below.
+            scored = select(TrajectoryGroupRow.group_id).where(
+                TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.status != "redispatch")
             await session.execute(update(RolloutTaskRow).where(
                 RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "leased",
                 RolloutTaskRow.task_id.in_(scored)).values(status="done"))
@@ -232,16 +242,23 @@ class OrchestratorService(Service):
                     log("run_paused_no_learner", run_id=run_id, timeout_s=self.settings.learner_timeout_s)
                 return
 
-            # Leases past their deadline.
-            leased = (await session.execute(select(RolloutTaskRow).where(
+            # Leases past their deadline, and tasks whose current attempt was lost to tool failures.
+            faulted = select(TrajectoryGroupRow.group_id).where(
+                TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.status == "redispatch",
+                TrajectoryGroupRow.group_id == RolloutTaskRow.task_id,
+                TrajectoryGroupRow.attempt >= RolloutTaskRow.attempts).exists()
+            leased = (await session.execute(select(RolloutTaskRow, faulted).where(
                 RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "leased",
-                RolloutTaskRow.deadline <= now))).scalars().all()
-            by_id = {t.task_id: t for t in leased}
+                (RolloutTaskRow.deadline <= now) | faulted))).all()
+            by_id = {t.task_id: t for t, _ in leased}
+            faulted_ids = frozenset(t.task_id for t, lost in leased if lost)
             decision = control.expired_leases(
-                [control.Lease(t.task_id, t.deadline, t.attempts) for t in leased], now, max_attempts=cfg.max_task_attempts)
+                [control.Lease(t.task_id, t.deadline, t.attempts) for t, _ in leased], now,
+                max_attempts=cfg.max_task_attempts, faulted=faulted_ids)
             for lease in decision.give_up:
                 by_id[lease.task_id].status = "failed"
-                self.ctx.log.warning("task_given_up", run_id=run_id, task_id=lease.task_id, attempts=lease.attempts)
+                self.ctx.log.warning("task_given_up", run_id=run_id, task_id=lease.task_id, attempts=lease.attempts,
+                                     reason="tool_failure" if lease.task_id in faulted_ids else "deadline")
             again = [by_id[lease.task_id] for lease in decision.redispatch]
             for row in again:
                 row.attempts += 1
@@ -253,7 +270,8 @@ class OrchestratorService(Service):
         for task in resend:
             await self.ctx.producer.send(self.ctx.topic(topics.ROLLOUT_TASKS), task, key=task.problem_id)
             TASKS_SENT.labels("redispatch").inc()
-            self.ctx.log.info("task_redispatched", run_id=run_id, task_id=task.task_id, attempt=task.attempt)
+            self.ctx.log.info("task_redispatched", run_id=run_id, task_id=task.task_id, attempt=task.attempt,
+                              reason="tool_failure" if task.task_id in faulted_ids else "deadline")
 
         # New tasks within the admission budget.
         budget = min(control.admission_budget(progress, batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness,

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import ValidationError
 
 from services.reward.checker import AnswerChecker
 from services.reward.config import Settings
@@ -115,7 +116,10 @@ async def rescore(
     if out_topic == source:
         raise ReplayError("to_topic must differ from the source topic")
     overrides = {k: v for k, v in (("roc_mode", roc_mode), ("group_size", group_size)) if v is not None}
-    cfg = settings.model_copy(update=overrides)
+    try:  # validated again: the overrides must fit the other settings (e.g. deterministic's minimum)
+        cfg = type(settings).model_validate({**settings.model_dump(), **overrides})
+    except ValidationError as exc:
+        raise ReplayError("; ".join(e["msg"] for e in exc.errors())) from exc
     summary = RescoreSummary(source, from_run, to_run, out_topic, cfg.roc_mode, cfg.group_size)
 
     if to_topic is not None:

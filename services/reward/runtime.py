@@ -9,11 +9,16 @@ Exactly-once effect on top of at-least-once delivery (the broker has no transact
    * status ``scored`` → we crashed between recording and publishing: rebuild the SAME selection
      from the verdicts and RoC parameters stored in the row (the selection is seeded by the group
      id; stored verdicts make it independent of a check that timed out once) and publish it
-     again with the same event id, then mark ``published``.
+     again with the same event id, then mark ``published``;
+   * status ``redispatch`` → this attempt or an older one lost too many rollouts to
+     ``tool_failure``: skip; a later attempt (the orchestrator's re-dispatch) is scored afresh
+     and its row replaces the recorded one.
 2. Otherwise check the answers, run RoC, then in ONE transaction insert the row (status
-   ``scored``, or ``dropped`` for an all-equal group when dropping is on) and add the group's
-   attempts/successes to ``problems``. If the insert finds a row (a concurrent replica won the
-   race), continue as in 1.
+   ``scored``; ``dropped`` for an all-equal group when dropping is on or a group RoC keeps
+   nothing of; ``redispatch`` for one that lost too many rollouts to ``tool_failure``,
+   :mod:`services.reward.roc` 4.) and add the group's attempts/successes to ``problems``
+   (not for ``redispatch``). If the insert finds a row (a concurrent replica won the race),
+   continue as in 1.
 3. Publish the ScoredGroup (key group_id, event id derived from run and group id), then mark
    the row ``published``; only then does the consumer loop commit the offset.
 
@@ -60,8 +65,13 @@ log = get_logger("reward")
 
 GROUPS = Counter(
     "rstar_reward_groups_total",
-    "Trajectory groups by outcome: published, republished (after a crash), dropped_all_equal, duplicate, dead_letter",
+    "Trajectory groups by outcome: published, republished (after a crash), dropped_all_equal, dropped_too_small "
+    "(deterministic mode, fewer than G rollouts), redispatch (too many tool_failure rollouts), duplicate, dead_letter",
     ["outcome"],
+)
+TOOL_FAILURES = Counter(
+    "rstar_reward_tool_failure_trajectories_total",
+    "Rollouts left out of RoC and advantages because they ended tool_failure (an infrastructure fault)",
 )
 ALL_EQUAL = Counter("rstar_reward_all_equal_groups_total", "Groups whose kept rewards are all equal (no gradient)")
 PASS_RATE = Histogram("rstar_reward_pass_rate", "Pass rate over all 2G rollouts of a group",
@@ -83,7 +93,11 @@ def scored_event_id(run_id: str, group_id: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, f"rstar:scored:{run_id}:{group_id}").hex
 
 
-def _observe(scored: ScoredGroup) -> None:
+def _observe(scored: ScoredGroup, *, redispatch: bool = False) -> None:
+    if scored.roc.n_tool_failure:
+        TOOL_FAILURES.inc(scored.roc.n_tool_failure)
+    if redispatch:
+        return  # not trained: its pass rate and RoC figures describe an outage, not the policy
     PASS_RATE.observe(scored.pass_rate)
     if scored.all_equal:
         ALL_EQUAL.inc()
@@ -152,6 +166,17 @@ class GroupProcessor:
             self.out_topic, scored, key=scored.group_id, event_id=scored_event_id(scored.run_id, scored.group_id)
         )
 
+    def _dropped(self, scored: ScoredGroup) -> bool:
+        """Not published: no kept rollout (a deterministic-mode group smaller than G) or, when
+        dropping is on, all kept rewards equal (no gradient either way)."""
+        return not scored.selected or (scored.all_equal and self.drop_all_equal)
+
+    @staticmethod
+    def _outcome(scored: ScoredGroup, *, redispatch: bool) -> str:
+        if redispatch:
+            return "redispatch"
+        return "dropped_all_equal" if scored.selected else "dropped_too_small"
+
     async def process(self, group: TrajectoryGroup, coords: KafkaCoordinates) -> Processed:
         """Handle one group; returns its outcome (a GROUPS label) and the ScoredGroup it
         published or dropped (None for a duplicate). Raises MalformedGroup."""
@@ -162,20 +187,21 @@ class GroupProcessor:
                 return await self._resume(group, existing, run_id, coords)
         result = await self._score(group)
         scored = self._for_run(result.scored, run_id)
-        _observe(scored)
-        dropped = scored.all_equal and self.drop_all_equal
+        _observe(scored, redispatch=result.redispatch)
+        dropped = self._dropped(scored)
         if self.sessions is not None:
             audit = result.audit(self.roc, self.answer_source)
-            inserted = await record_scored(
-                self.sessions, group, scored, audit=audit, coords=coords, dropped=dropped, run_id=run_id
-            )
+            inserted = await record_scored(self.sessions, group, scored, audit=audit, coords=coords, dropped=dropped,
+                                           redispatch=result.redispatch, run_id=run_id)
             if not inserted:  # another replica recorded it between our read and our insert
                 existing = await load_group(self.sessions, run_id, group.group_id)
                 if existing is None:
                     raise RuntimeError(f"group {group.group_id}: insert conflicted but no row is there")
                 return await self._resume(group, existing, run_id, coords)
-        if dropped:
-            return Processed("dropped_all_equal", scored)
+        if result.redispatch:
+            _warn_redispatch(group, scored)
+        if result.redispatch or dropped:
+            return Processed(self._outcome(scored, redispatch=result.redispatch), scored)
         await self._publish(scored)
         if self.sessions is not None:
             await mark_published(self.sessions, run_id, group.group_id)
@@ -187,22 +213,39 @@ class GroupProcessor:
         assert self.sessions is not None
         if existing.status in ("published", "dropped"):
             return Processed("duplicate", None)
-        scored = rescore_from_audit(group, existing.roc_stats, existing.roc_mode)
+        if existing.status == "redispatch" and group.attempt <= existing.attempt:
+            return Processed("duplicate", None)  # that attempt (or an older one) was already judged
+        scored = rescore_from_audit(group, existing.roc_stats, existing.roc_mode) if existing.status == "scored" else None
         if scored is None:
-            # another attempt of the task under the same group id; the recorded one never reached
-            # the learner and its trajectories are not at hand: this attempt takes its place
+            # A later attempt after a redispatch row, or another attempt of a recorded-but-unpublished
+            # group whose trajectories are not at hand: this attempt takes its place.
             result = await self._score(group)
             scored = self._for_run(result.scored, run_id)
-            dropped = scored.all_equal and self.drop_all_equal
-            await replace_unpublished(
-                self.sessions, run_id, scored, result.audit(self.roc, self.answer_source), coords, dropped=dropped
+            if result.redispatch and existing.status == "scored":
+                # the recorded attempt is good and its message is redelivered until it is published
+                return Processed("duplicate", None)
+            dropped = self._dropped(scored)
+            replaced = await replace_unpublished(
+                self.sessions, run_id, group, scored, result.audit(self.roc, self.answer_source), coords,
+                dropped=dropped, redispatch=result.redispatch,
             )
-            if dropped:
-                return Processed("dropped_all_equal", scored)
+            if not replaced:
+                return Processed("duplicate", None)
+            _observe(scored, redispatch=result.redispatch)
+            if result.redispatch:
+                _warn_redispatch(group, scored)
+            if result.redispatch or dropped:
+                return Processed(self._outcome(scored, redispatch=result.redispatch), scored)
         scored = self._for_run(scored, run_id)
         await self._publish(scored)
         await mark_published(self.sessions, run_id, group.group_id)
         return Processed("republished", scored)
+
+
+def _warn_redispatch(group: TrajectoryGroup, scored: ScoredGroup) -> None:
+    log.warning("group_lost_to_tool_failures", attempt=group.attempt, n_tool_failure=scored.roc.n_tool_failure,
+                n=len(group.trajectories), hint="the tool executor failed these rollouts; the orchestrator rolls "
+                "the task out again")
 
 
 class RewardService(Service):

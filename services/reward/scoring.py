@@ -13,7 +13,14 @@ from prometheus_client import Counter, Histogram
 
 from services.reward.answers import AnswerSource, extract_answer
 from services.reward.checker import AnswerChecker, Verdict
-from services.reward.roc import RocConfig, score_group
+from services.reward.roc import (
+    DEFAULT_MAX_TOOL_FAILURE_FRACTION,
+    DEFAULT_MIN_PER_CLASS,
+    DEFAULT_STD_DDOF,
+    RocConfig,
+    needs_redispatch,
+    score_group,
+)
 from shared.events import ScoredGroup, TrajectoryGroup
 
 CHECKS = Counter(
@@ -51,6 +58,7 @@ class ScoringResult:
     verdicts: list[Verdict]
     check_seconds: float
     outcomes: dict[str, int] = field(default_factory=dict)
+    redispatch: bool = False  # too many rollouts ended tool_failure: roll the task out again
 
     @property
     def correct(self) -> list[bool]:
@@ -69,6 +77,10 @@ class ScoringResult:
             "seed": roc.seed,
             "penalty_floor": roc.penalty_floor,
             "adv_eps": roc.adv_eps,
+            "min_per_class": roc.min_per_class,
+            "std_ddof": roc.std_ddof,
+            "max_tool_failure_fraction": roc.max_tool_failure_fraction,
+            "attempt": self.group.attempt,
             "answer_source": answer_source,
         }
 
@@ -91,7 +103,8 @@ async def score_trajectory_group(
     if outcomes.get("timeout"):
         CHECK_TIMEOUTS.inc(outcomes["timeout"])
     scored = score_group(group, [v.correct for v in verdicts], roc)
-    return ScoringResult(group, scored, answers, verdicts, elapsed, outcomes)
+    redispatch = needs_redispatch(scored.roc.n_tool_failure, len(group.trajectories), roc.max_tool_failure_fraction)
+    return ScoringResult(group, scored, answers, verdicts, elapsed, outcomes, redispatch)
 
 
 def rescore_from_audit(group: TrajectoryGroup, audit: dict[str, Any], roc_mode: str) -> ScoredGroup | None:
@@ -105,6 +118,10 @@ def rescore_from_audit(group: TrajectoryGroup, audit: dict[str, Any], roc_mode: 
         seed=int(audit["seed"]),
         penalty_floor=float(audit["penalty_floor"]),
         adv_eps=float(audit["adv_eps"]),
+        # recorded since the release-parity settings exist; older rows used the defaults
+        min_per_class=int(audit.get("min_per_class", DEFAULT_MIN_PER_CLASS)),
+        std_ddof=int(audit.get("std_ddof", DEFAULT_STD_DDOF)),
+        max_tool_failure_fraction=float(audit.get("max_tool_failure_fraction", DEFAULT_MAX_TOOL_FAILURE_FRACTION)),
     )
     scored = score_group(group, [bool(v) for v in audit["verdicts"]], roc)
     if [s.trajectory.traj_id for s in scored.selected] != audit.get("selected_traj_ids"):

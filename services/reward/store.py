@@ -2,8 +2,9 @@
 and the per-run ``problems`` counters, written in ONE transaction so a group is counted once.
 
 Status of a row: ``scored`` (recorded, not yet confirmed published), ``published`` (the
-ScoredGroup reached the broker), ``dropped`` (all kept rewards equal and dropping is on: never
-published). See :mod:`services.reward.runtime` for how redeliveries use it.
+ScoredGroup reached the broker), ``dropped`` (no kept rollout carries a gradient: never
+published), ``redispatch`` (too many rollouts ended ``tool_failure``: never published, not
+counted in ``problems``; the orchestrator rolls the task out again as attempt + 1). See :mod:`services.reward.runtime` for how redeliveries use it.
 """
 
 from __future__ import annotations
@@ -31,18 +32,58 @@ class GroupRecord:
     status: str
     roc_mode: str
     roc_stats: dict[str, Any]
+    attempt: int
 
 
 async def load_group(sessions: async_sessionmaker[AsyncSession], run_id: str, group_id: str) -> GroupRecord | None:
     async with sessions() as session:
         row = (
             await session.execute(
-                select(TrajectoryGroupRow.status, TrajectoryGroupRow.roc_mode, TrajectoryGroupRow.roc_stats).where(
+                select(TrajectoryGroupRow.status, TrajectoryGroupRow.roc_mode, TrajectoryGroupRow.roc_stats,
+                       TrajectoryGroupRow.attempt).where(
                     TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id == group_id
                 )
             )
         ).one_or_none()
-    return GroupRecord(row.status, row.roc_mode, dict(row.roc_stats or {})) if row is not None else None
+    if row is None:
+        return None
+    return GroupRecord(row.status, row.roc_mode, dict(row.roc_stats or {}), row.attempt)
+
+
+def _status(*, dropped: bool, redispatch: bool) -> str:
+    return "redispatch" if redispatch else "dropped" if dropped else "scored"
+
+
+async def _count_problem(session: AsyncSession, run_id: str, group: TrajectoryGroup, scored: ScoredGroup) -> None:
+    """Add the group's attempts/successes (the rollouts that count) to its ``problems`` row."""
+    n_total = scored.n_total
+    n_correct = round(scored.pass_rate * n_total)
+    versions = [v for t in group.trajectories for v in t.token_versions]
+    group_max_version = max(versions) if versions else scored.max_policy_version
+    stmt = pg_insert(Problem).values(
+        run_id=run_id,
+        problem_id=group.problem_id,
+        answer=group.answer,
+        attempts=n_total,
+        successes=n_correct,
+        last_attempts=n_total,
+        last_successes=n_correct,
+        last_version=group_max_version,
+    )
+    # "last_*" describe the most recent policy's group: only a group at least as new replaces them
+    newer = or_(Problem.last_version.is_(None), stmt.excluded.last_version >= Problem.last_version)
+    await session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["run_id", "problem_id"],
+            set_={
+                "attempts": Problem.attempts + stmt.excluded.attempts,
+                "successes": Problem.successes + stmt.excluded.successes,
+                "last_attempts": case((newer, stmt.excluded.last_attempts), else_=Problem.last_attempts),
+                "last_successes": case((newer, stmt.excluded.last_successes), else_=Problem.last_successes),
+                "last_version": case((newer, stmt.excluded.last_version), else_=Problem.last_version),
+            },
+        )
+    )
 
 
 async def record_scored(
@@ -53,19 +94,17 @@ async def record_scored(
     audit: dict[str, Any],
     coords: KafkaCoordinates,
     dropped: bool,
+    redispatch: bool = False,
     run_id: str | None = None,
 ) -> bool:
-    """Insert the group's row and add its attempts/successes to ``problems``, atomically.
+    """Insert the group's row and add its attempts/successes to ``problems``, atomically (a
+    ``redispatch`` row counts nothing: the attempt that replaces it will).
 
     Returns False (and changes nothing) when a row for (run_id, group_id) already exists — a
     concurrent replica or an earlier delivery recorded it first. ``run_id`` overrides the
     group's run (replay into a new run).
     """
     run = run_id or group.run_id
-    n_total = len(group.trajectories)
-    n_correct = round(scored.pass_rate * n_total)
-    versions = [v for t in group.trajectories for v in t.token_versions]
-    group_max_version = max(versions) if versions else scored.max_policy_version
     row = {
         "run_id": run,
         "group_id": group.group_id,
@@ -73,15 +112,17 @@ async def record_scored(
         "problem_id": group.problem_id,
         "min_version": scored.min_policy_version,
         "max_version": scored.max_policy_version,
-        "n_total": n_total,
-        "n_correct": n_correct,
+        "n_total": scored.n_total,
+        "n_correct": round(scored.pass_rate * scored.n_total),
         "pass_rate": scored.pass_rate,
         "n_selected": len(scored.selected),
         "all_equal": scored.all_equal,
         "dropped": dropped,
         "roc_mode": scored.roc_mode,
         "roc_stats": audit,
-        "status": "dropped" if dropped else "scored",
+        "status": _status(dropped=dropped, redispatch=redispatch),
+        "attempt": group.attempt,
+        "n_tool_failure": scored.roc.n_tool_failure,
         "kafka_topic": coords.topic,
         "kafka_partition": coords.partition,
         "kafka_offset": coords.offset,
@@ -97,67 +138,61 @@ async def record_scored(
         ).scalar_one_or_none()
         if inserted is None:
             return False
-        stmt = pg_insert(Problem).values(
-            run_id=run,
-            problem_id=group.problem_id,
-            answer=group.answer,
-            attempts=n_total,
-            successes=n_correct,
-            last_attempts=n_total,
-            last_successes=n_correct,
-            last_version=group_max_version,
-        )
-        # "last_*" describe the most recent policy's group: only a group at least as new replaces them
-        newer = or_(Problem.last_version.is_(None), stmt.excluded.last_version >= Problem.last_version)
-        await session.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["run_id", "problem_id"],
-                set_={
-                    "attempts": Problem.attempts + stmt.excluded.attempts,
-                    "successes": Problem.successes + stmt.excluded.successes,
-                    "last_attempts": case((newer, stmt.excluded.last_attempts), else_=Problem.last_attempts),
-                    "last_successes": case((newer, stmt.excluded.last_successes), else_=Problem.last_successes),
-                    "last_version": case((newer, stmt.excluded.last_version), else_=Problem.last_version),
-                },
-            )
-        )
+        if not redispatch:
+            await _count_problem(session, run, group, scored)
     return True
 
 
 async def replace_unpublished(
     sessions: async_sessionmaker[AsyncSession],
     run_id: str,
+    group: TrajectoryGroup,
     scored: ScoredGroup,
     audit: dict[str, Any],
     coords: KafkaCoordinates,
     *,
     dropped: bool,
-) -> None:
-    """A different attempt of a recorded-but-unpublished group is published instead of the one
-    recorded (whose trajectories are not at hand): its row follows; problem counters are not
-    touched again (the group id was counted once)."""
+    redispatch: bool = False,
+) -> bool:
+    """Another attempt of a recorded-but-unpublished group takes the recorded one's place (whose
+    trajectories are not at hand): its row follows. Problem counters are added only when the
+    recorded row is a ``redispatch`` one (which counted nothing) and this one is not; a
+    ``scored`` row was counted once for the group id. False (nothing changed) when the row was
+    published or dropped meanwhile by another replica."""
     async with sessions() as session, session.begin():
+        previous = (
+            await session.execute(
+                select(TrajectoryGroupRow.status)
+                .where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id == scored.group_id)
+                .with_for_update()
+            )
+        ).scalar_one_or_none()
+        if previous not in ("scored", "redispatch"):
+            return False
         await session.execute(
             update(TrajectoryGroupRow)
-            .where(
-                TrajectoryGroupRow.run_id == run_id,
-                TrajectoryGroupRow.group_id == scored.group_id,
-                TrajectoryGroupRow.status == "scored",
-            )
+            .where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id == scored.group_id)
             .values(
                 min_version=scored.min_policy_version,
                 max_version=scored.max_policy_version,
+                n_total=scored.n_total,
+                n_correct=round(scored.pass_rate * scored.n_total),
                 pass_rate=scored.pass_rate,
                 n_selected=len(scored.selected),
                 all_equal=scored.all_equal,
                 roc_stats=audit,
                 dropped=dropped,
-                status="dropped" if dropped else "scored",
+                status=_status(dropped=dropped, redispatch=redispatch),
+                attempt=group.attempt,
+                n_tool_failure=scored.roc.n_tool_failure,
                 kafka_topic=coords.topic,
                 kafka_partition=coords.partition,
                 kafka_offset=coords.offset,
             )
         )
+        if previous == "redispatch" and not redispatch:
+            await _count_problem(session, run_id, group, scored)
+    return True
 
 
 async def mark_published(sessions: async_sessionmaker[AsyncSession], run_id: str, group_id: str) -> None:

@@ -114,7 +114,11 @@ class TrajectoryGroupRow(Base):
     dropped: Mapped[bool] = mapped_column(Boolean, default=False)  # not published (no signal)
     roc_mode: Mapped[str] = mapped_column(String(32))
     roc_stats: Mapped[dict] = mapped_column(JSONB, default=dict)
-    status: Mapped[str] = mapped_column(String(32), default="scored")  # scored|published|dropped
+    # scored|published|dropped|redispatch (lost too many rollouts to tool_failure: not trained,
+    # the orchestrator rolls the task out again)
+    status: Mapped[str] = mapped_column(String(32), default="scored")
+    attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")  # the task attempt it came from
+    n_tool_failure: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # rollouts left out
     # Where the raw TrajectoryGroup sits, for replay.
     kafka_topic: Mapped[str] = mapped_column(String(200))
     kafka_partition: Mapped[int] = mapped_column(Integer)

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer
 from sqlalchemy import select, update
 
 from services.reward.config import Settings
-from services.reward.replay import rescore
+from services.reward.replay import ReplayError, rescore
 from services.reward.runtime import GROUPS, RewardService
 from shared import topics
 from shared.db.models import Problem, TrajectoryGroupRow
@@ -255,24 +255,26 @@ async def test_replay_rescores_into_a_new_run_and_leaves_the_original_alone(stac
     other = make_group("some-other-run")
     metas = await produce(stack, traj_topic, [(g.group_id, encode(g)) for g in groups] + [(other.group_id, encode(other))])
 
-    summary = await rescore(settings, from_run=run_a, to_run=run_b, roc_mode="deterministic", group_size=2)
+    with pytest.raises(ReplayError, match="min_per_class"):  # the release keeps ≥ 2 of each class: G ≥ 4
+        await rescore(settings, from_run=run_a, to_run=run_b, roc_mode="deterministic", group_size=2)
+    summary = await rescore(settings, from_run=run_a, to_run=run_b, roc_mode="deterministic", group_size=4)
     assert summary["matched"] == 3 and summary["published"] == 3 and summary["other_runs"] == 1
     assert summary["roc_mode"] == "deterministic" and summary["pass_rate_mean"] == pytest.approx(0.5)
     records = await read_topic(stack.kafka_bootstrap, topic_prefix + topics.SCORED.name, expect=3)
     assert len(records) == 3
     for r in records:
         scored = decode(r.value, ScoredGroup).payload
-        assert scored.run_id == run_b and scored.roc_mode == "deterministic" and len(scored.selected) == 2
-        # deterministic keeps the cleanest positive: an even trajectory (one ok call) over an odd one
-        (pos,) = [s for s in scored.selected if s.correct]
-        assert pos.p_err == 0.0
+        assert scored.run_id == run_b and scored.roc_mode == "deterministic" and len(scored.selected) == 4
+        # deterministic keeps the 2 cleanest positives: the even trajectories (one ok call), not the odd
+        pos = [s for s in scored.selected if s.correct]
+        assert len(pos) == 2 and all(s.p_err == 0.0 for s in pos)
     async with sessions() as s:
         rows_b = (await s.execute(select(TrajectoryGroupRow).where(TrajectoryGroupRow.run_id == run_b))).scalars().all()
         rows_a = (await s.execute(select(TrajectoryGroupRow).where(TrajectoryGroupRow.run_id == run_a))).scalars().all()
     assert len(rows_b) == 3 and all(r.status == "published" for r in rows_b) and rows_a == []
 
     # the same replay again publishes nothing new; an analysis stream needs no run
-    again = await rescore(settings, from_run=run_a, to_run=run_b, roc_mode="deterministic", group_size=2)
+    again = await rescore(settings, from_run=run_a, to_run=run_b, roc_mode="deterministic", group_size=4)
     assert again["duplicate"] == 3 and again["published"] == 0
     analysis = topic_prefix + "analysis.grpo"
     first_in_partition = sum(1 for m in metas[:3] if m.offset == 0)  # end_offset=1 reads offset 0 only

@@ -89,6 +89,14 @@ def test_expired_leases_redispatch_then_give_up():
     assert control.new_deadline(T0, 30) == T0 + timedelta(seconds=30)
 
 
+def test_a_lease_lost_to_tool_failures_is_redispatched_before_its_deadline():
+    later = T0 + timedelta(seconds=60)
+    leases = [Lease("lost", later, 1), Lease("fine", later, 1), Lease("lost-last", later, 3)]
+    d = control.expired_leases(leases, T0, max_attempts=3, faulted=frozenset({"lost", "lost-last"}))
+    assert [x.task_id for x in d.redispatch] == ["lost"]
+    assert [x.task_id for x in d.give_up] == ["lost-last"]
+
+
 def test_stage_position():
     steps = [3, 2, 4]
     assert [control.stage_position(i, steps).index for i in range(9)] == [0, 0, 0, 1, 1, 2, 2, 2, 2]

@@ -17,6 +17,7 @@ from services.reward.roc import (
     RocConfig,
     advantages,
     group_rng,
+    needs_redispatch,
     penalties,
     positive_count,
     score_group,
@@ -43,8 +44,13 @@ def groups(draw):
     return cands, group_size, group_id
 
 
+def release_min(group_size: int) -> int:
+    """The release's minimum per class (2), as far as a small hypothesis group allows it."""
+    return min(2, group_size // 2)
+
+
 @settings(max_examples=300, deadline=None)
-@given(groups(), st.sampled_from(["roc", "deterministic", "grpo"]))
+@given(groups(), st.sampled_from(["roc", "grpo"]))
 def test_keeps_exactly_g_without_duplicates(data, mode):
     cands, g, gid = data
     sel = select(cands, g, mode, gid)
@@ -56,10 +62,10 @@ def test_keeps_exactly_g_without_duplicates(data, mode):
 
 
 @settings(max_examples=300, deadline=None)
-@given(groups(), st.sampled_from(["roc", "deterministic"]))
-def test_keeps_the_positive_negative_proportions(data, mode):
+@given(groups())
+def test_keeps_the_positive_negative_proportions(data):
     cands, g, gid = data
-    sel = select(cands, g, mode, gid)
+    sel = select(cands, g, "roc", gid)
     n_pos = sum(c.correct for c in cands)
     n = len(cands)
     if n <= g:
@@ -75,14 +81,15 @@ def test_keeps_the_positive_negative_proportions(data, mode):
 @given(groups(), st.sampled_from(["roc", "deterministic", "grpo"]))
 def test_selection_is_reproducible_from_the_group_id(data, mode):
     cands, g, gid = data
-    assert select(cands, g, mode, gid) == select(list(cands), g, mode, gid)
+    m = release_min(g)
+    assert select(cands, g, mode, gid, min_per_class=m) == select(list(cands), g, mode, gid, min_per_class=m)
 
 
 @settings(max_examples=300, deadline=None)
 @given(groups())
 def test_deterministic_never_keeps_a_positive_over_a_strictly_cleaner_one(data):
     cands, g, gid = data
-    kept = set(select(cands, g, "deterministic", gid).kept)
+    kept = set(select(cands, g, "deterministic", gid, min_per_class=release_min(g)).kept)
     pos = [c for c in cands if c.correct]
     for a in pos:
         for b in pos:
@@ -166,6 +173,95 @@ def test_bad_arguments_fail_loudly():
         select(cands, 0, "roc", "g")
     with pytest.raises(ValueError):
         select(cands, 1, "roc", "g", penalty_floor=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        select(cands, 3, "deterministic", "g", min_per_class=2)
+
+
+# --------------------------------------------------------------------------- release parity
+
+
+class ReleaseAssertion(AssertionError):
+    pass
+
+
+def release_reference(rewards: list[float], pens: list[float], n_keep: int, m: int) -> list[int] | None:
+    """The public release's down-sampling of ONE group, transcribed for this test from
+    verl recipe/rstar2_agent/src/down_sample/roc.py (resample_of_correct): the kept indices,
+    or None when the group is skipped. Raises ReleaseAssertion where the release's assert fails."""
+    n = len(rewards)
+    if n < n_keep:
+        return None
+    if n == n_keep:
+        return list(range(n))
+    zero = sorted([(i, w) for i, (r, w) in enumerate(zip(rewards, pens)) if r <= 0], key=lambda x: x[1])
+    non_zero = sorted([(i, w) for i, (r, w) in enumerate(zip(rewards, pens)) if r > 0], key=lambda x: x[1])
+    zero_num = round(len(zero) * n_keep / n)
+    non_zero_num = round(len(non_zero) * n_keep / n)
+    if zero_num < m and non_zero_num < m:
+        return list(range(n))
+    if zero_num <= min(m, len(zero)):
+        zero_num = min(m, len(zero))
+        non_zero_num = n_keep - zero_num
+    if non_zero_num <= min(m, len(non_zero)):
+        non_zero_num = min(m, len(non_zero))
+        zero_num = n_keep - non_zero_num
+    choices = [i for i, _ in non_zero[:non_zero_num]] + [i for i, _ in zero[:zero_num]]
+    if len(choices) != n_keep:
+        raise ReleaseAssertion(f"{n_keep=} != {len(choices)}")
+    return sorted(choices)
+
+
+@settings(max_examples=500, deadline=None)
+@given(groups())
+def test_deterministic_is_the_release_selection(data):
+    cands, g, gid = data
+    m = release_min(g)
+    sel = select(cands, g, "deterministic", gid, min_per_class=m)
+    try:
+        expected = release_reference([1.0 if c.correct else 0.0 for c in cands], [c.p_total for c in cands], g, m)
+    except ReleaseAssertion:
+        # the one documented deviation: the release fails, the negatives take the remainder
+        assert len(sel.kept) == g
+        return
+    assert sel.kept == (expected or [])
+
+
+def _hand_made(n_pos: int, n: int) -> list[Candidate]:
+    """Positives first; penalties descending with the index, so 'cleanest' means 'last'."""
+    return [Candidate(i, i < n_pos, (n - i) / 100) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("n_pos", "n", "kept_pos", "kept_neg"),
+    [
+        # 1 of 32: round(0.5) = 0 positives → raised to the one there is; 15 negatives
+        (1, 32, [0], list(range(17, 32))),
+        # 3 of 32: round(1.5) = 2 ≤ 2 → 2 positives (the two cleanest), 14 negatives
+        (3, 32, [1, 2], list(range(18, 32))),
+        # 5 of 32: round(2.5) = 2 (half to even), 14 negatives
+        (5, 32, [3, 4], list(range(18, 32))),
+        # 7 of 32: round(3.5) = 4, round(12.5) = 12
+        (7, 32, [3, 4, 5, 6], list(range(20, 32))),
+        # 30 of 32: negatives round(1.0) = 1 → raised to 2, positives 14
+        (30, 32, list(range(16, 30)), [30, 31]),
+        # all correct: 16 cleanest positives
+        (32, 32, list(range(16, 32)), []),
+        # exactly G: kept whole
+        (4, 16, list(range(4)), list(range(4, 16))),
+        # fewer than G: skipped
+        (4, 15, [], []),
+    ],
+)
+def test_deterministic_matches_the_release_on_hand_made_groups(n_pos, n, kept_pos, kept_neg):
+    sel = select(_hand_made(n_pos, n), 16, "deterministic", "g")
+    assert sel.kept == kept_pos + kept_neg
+    assert (sel.k_pos, sel.k_neg) == (len(kept_pos), len(kept_neg))
+
+
+def test_deterministic_sorts_negatives_by_penalty_too():
+    cands = [Candidate(0, True, 0.0), Candidate(1, True, 0.0)] + [Candidate(2 + i, False, 1.0 - i / 10) for i in range(8)]
+    # 2 positives of 10, G = 4: round(0.8) = 1 ≤ 2 → 2 positives, 2 negatives: the two cleanest (8, 9)
+    assert select(cands, 4, "deterministic", "g").kept == [0, 1, 8, 9]
 
 
 # --------------------------------------------------------------------------- penalties
@@ -221,6 +317,15 @@ def test_advantages_are_standardised():
     assert advantages([1.0, 1.0]) == [0.0, 0.0]
 
 
+def test_advantages_with_the_sample_std():
+    # verl's GRPO estimator: torch.std (ddof = 1): std of [1, 0, 0, 0] is sqrt(0.25)
+    adv = advantages([1.0, 0.0, 0.0, 0.0], ddof=1)
+    assert adv == pytest.approx([0.75 / 0.5, -0.5, -0.5, -0.5], rel=1e-5)
+    assert advantages([1.0], ddof=1) == [0.0]  # one sample: no spread, no division by zero
+    with pytest.raises(ValueError):
+        advantages([1.0, 0.0], ddof=2)
+
+
 # --------------------------------------------------------------------------- whole group
 
 
@@ -266,6 +371,42 @@ def test_score_group_roc_stats_compare_kept_and_dropped_positives():
     # deterministic keeps the 8 cleanest positives: those with a single ok call (i % 3 != 0)
     assert scored.roc.kept_pos_tool_error_rate == 0.0
     assert scored.roc.dropped_pos_tool_error_rate is not None and scored.roc.dropped_pos_tool_error_rate > 0
+
+
+def _with_tool_failures(group: TrajectoryGroup, indices: set[int]) -> TrajectoryGroup:
+    trajs = [t.model_copy(update={"finish_reason": "tool_failure"}) if i in indices else t
+             for i, t in enumerate(group.trajectories)]
+    return group.model_copy(update={"trajectories": trajs})
+
+
+def test_tool_failure_trajectories_get_no_advantage_and_are_counted():
+    pattern = [i % 2 == 0 for i in range(32)]
+    lost = {0, 1, 2, 3, 5}  # 5 of 32 < a quarter: left out, the group is trained
+    group = _with_tool_failures(make_group(pattern), lost)
+    for mode in ("roc", "deterministic", "grpo"):
+        scored = score_group(group, pattern, RocConfig(group_size=16, mode=mode))
+        kept = {s.trajectory.traj_id for s in scored.selected}
+        assert not kept & {f"t{i}" for i in lost}, mode
+        assert len(scored.selected) == 16
+        assert scored.roc.n_tool_failure == 5 and scored.n_total == 27
+        # the pass rate and the class counts are over the 27 that count (16 even indices less 0 and 2)
+        assert scored.roc.n_pos == 14 and scored.pass_rate == pytest.approx(14 / 27)
+    # a correct answer in a tool_failure trajectory is not a positive either
+    all_lost = _with_tool_failures(make_group([True] * 4 + [False] * 28), {0, 1, 2, 3})
+    scored = score_group(all_lost, [True] * 4 + [False] * 28, RocConfig(group_size=16))
+    assert scored.roc.n_pos == 0 and scored.all_equal
+
+
+def test_a_group_that_lost_too_many_rollouts_is_not_scored():
+    pattern = [i % 2 == 0 for i in range(32)]
+    cfg = RocConfig(group_size=16)  # up to 8 of 32 (a quarter) may be lost
+    at_limit = score_group(_with_tool_failures(make_group(pattern), set(range(8))), pattern, cfg)
+    assert len(at_limit.selected) == 16
+    over = score_group(_with_tool_failures(make_group(pattern), set(range(9))), pattern, cfg)
+    assert over.selected == [] and over.roc.n_tool_failure == 9
+    assert needs_redispatch(9, 32, 0.25) and not needs_redispatch(8, 32, 0.25)
+    assert needs_redispatch(1, 1, 1.0)  # nothing left at all
+    assert not needs_redispatch(0, 32, 0.0)
 
 
 def test_score_group_rejects_misaligned_verdicts():
