@@ -57,6 +57,8 @@ class Settings(ServiceSettings):
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0: torch's default)")
     keep_last: int = Field(3, ge=1, description="checkpoints kept on disk (older ones are deleted)")
     skip_zero_advantage_groups: bool = Field(True, description="skip groups whose advantages are all 0 (no gradient)")
+    overlong_filter: bool = Field(False, description="mask responses cut at the token budget (finish max_tokens) out "
+                                  "of the loss, as DAPO's overlong filtering; off (the release's recipe): they are trained on with reward 0")
     max_steps: int = Field(0, ge=0, description="the run's last step: no training beyond it, later groups are skipped "
                            "as run_complete (0: no limit)")
     consumer_group: str = Field("learner", description="Kafka consumer group on rstar.scored")

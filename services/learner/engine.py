@@ -82,7 +82,16 @@ def pad_token_id(model_dir: Path) -> int:
     return 0
 
 
-def group_sequences(groups: list[ScoredGroup]) -> list[TrainSequence]:
+# Finish reason of a response cut at its token budget (the one overlong filtering masks).
+TRUNCATED_FINISH_REASON = "max_tokens"
+
+
+def group_sequences(groups: list[ScoredGroup], *, overlong_filter: bool = False) -> list[TrainSequence]:
+    """The training sequences of a step's groups. With ``overlong_filter`` (DAPO's "overlong
+    filtering"), responses cut at the token budget are masked out of the loss entirely: they
+    keep their place in the group's advantage statistics (computed by the reward) but add no
+    tokens to the step's token-mean. Off by default, as in the public release's recipe (it has
+    no such filter): a truncated response scores 0 like any unanswered one and is trained on."""
     return [
         TrainSequence(
             prompt_ids=st.trajectory.prompt_token_ids,
@@ -93,6 +102,7 @@ def group_sequences(groups: list[ScoredGroup]) -> list[TrainSequence]:
         )
         for g in groups
         for st in g.selected
+        if not (overlong_filter and st.trajectory.finish_reason == TRUNCATED_FINISH_REASON)
     ]
 
 
@@ -108,6 +118,7 @@ class EngineConfig:
     keep_last: int = 3
     skip_zero_advantage_groups: bool = True
     max_steps: int = 0  # 0: no limit
+    overlong_filter: bool = False  # mask responses cut at the token budget out of the loss (DAPO)
 
     @classmethod
     def from_settings(cls, s: Any) -> "EngineConfig":
@@ -116,7 +127,7 @@ class EngineConfig:
         return cls(model_dir=Path(s.model_dir), checkpoint_dir=s.resolved_checkpoint_dir(), trainer=s.trainer_config(),
                    groups_per_step=s.groups_per_step, max_staleness=s.max_staleness, run_id=s.run_id,
                    device=s.device, keep_last=s.keep_last, skip_zero_advantage_groups=s.skip_zero_advantage_groups,
-                   max_steps=s.max_steps)
+                   max_steps=s.max_steps, overlong_filter=s.overlong_filter)
 
 
 @dataclass
@@ -232,7 +243,8 @@ class LearnerEngine:
             log.info("optimizer_reset", stage=stage, step=self.state.step + 1)
         t0 = time.perf_counter()
         try:
-            result = self.dispatch(Train(group_sequences(groups)))
+            sequences = group_sequences(groups, overlong_filter=self.cfg.overlong_filter)
+            result = self.dispatch(Train(sequences))
         except FloatingPointError as exc:
             # The update was skipped and the weights are untouched; the batch is given up so
             # a redelivery cannot loop on it. It is recorded with the next checkpoint.
@@ -247,6 +259,7 @@ class LearnerEngine:
             pass_rate_mean=stats.pass_rate_mean, response_len_mean=stats.response_len_mean,
             tool_error_rate_pos=stats.tool_error_rate_pos, n_groups=len(groups),
             n_trajectories=stats.n_trajectories, dropped_stale=dropped, optimizer_reset=reset,
+            overlong_masked=stats.n_trajectories - len(sequences),
             train_seconds=time.perf_counter() - t0,
         )
         new = LearnerState(

@@ -148,3 +148,34 @@ def test_a_failed_checkpoint_write_poisons_the_engine_and_restart_resumes(tmp_pa
     monkeypatch.undo()
     eng2 = LearnerEngine.open(cfg)
     assert eng2.version == 1 and eng2.offer(scored_group("p1", version=1)) is Decision.ACCEPTED
+
+
+def _truncate(group, index: int):
+    st = group.selected[index]
+    cut = st.model_copy(update={"trajectory": st.trajectory.model_copy(update={"finish_reason": "max_tokens"})})
+    return group.model_copy(update={"selected": [cut if i == index else s for i, s in enumerate(group.selected)]})
+
+
+def test_overlong_filter_masks_truncated_responses_out_of_the_loss():
+    from services.learner.engine import group_sequences
+
+    groups = [_truncate(scored_group("g0"), 1), scored_group("g1")]
+    every = group_sequences(groups)
+    filtered = group_sequences(groups, overlong_filter=True)
+    assert len(every) == 8 and len(filtered) == 7
+    cut = groups[0].selected[1].trajectory.response_token_ids
+    assert all(s.response_ids != cut for s in filtered)
+
+
+def test_overlong_filter_changes_the_steps_loss_tokens(tmp_path):
+    groups = [_truncate(scored_group("g0"), 0), scored_group("g1")]
+    tokens = {}
+    for on in (False, True):
+        eng = LearnerEngine.open(_cfg(tmp_path / str(on), overlong_filter=on))
+        for g in groups:
+            eng.offer(g)
+        out = eng.train_step()
+        tokens[on] = out.metrics["loss_tokens"]
+        assert out.metrics["overlong_masked"] == (1 if on else 0)
+    truncated = groups[0].selected[0].trajectory
+    assert tokens[False] - tokens[True] == sum(truncated.loss_mask)
