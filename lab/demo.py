@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import logging.config
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -51,6 +54,87 @@ BOOTSTRAP_MIN_LR_RATIO = float(os.environ.get("RSTAR_DEMO_BOOTSTRAP_MIN_LR_RATIO
 # 60 steps of configs/demo.yaml took 6.5 minutes on two AVX-512 cores; a slower machine stops
 # short of them here rather than going past the demo's 25 minutes.
 TRAIN_MINUTES = float(os.environ.get("RSTAR_DEMO_TRAIN_MINUTES", "8"))
+
+
+# The demo's own log: vLLM's records from the engines the demo starts in its own process (the two
+# evaluations: dozens of INFO lines per engine start, from this process and its engine-core
+# child) and the structured logs of the service code it runs in-process (dataset loading, run
+# creation). Warnings and errors also reach the terminal; INFO stays in the file. The services'
+# own logs are <state_dir>/logs/<service>.log, as for `rstar up`.
+DEMO_LOG = "demo.log"
+VLLM_LOG_FORMAT = "%(asctime)s %(levelname)s vllm pid=%(process)d [%(name)s:%(lineno)d] %(message)s"
+# The services the demo starts keep vLLM's default logging (to their stdout, i.e. their own log
+# file): where the demo named its config in VLLM_LOGGING_CONFIG_PATH, an empty one in theirs
+# undoes it (configure_demo_logging fills this in).
+SERVICE_ENV: dict[str, str] = {}
+
+
+def vllm_logging_config(log_file: Path, level: str = "INFO") -> dict:
+    """A ``logging.config.dictConfig`` for the ``vllm`` logger: records at ``level`` and above to
+    ``log_file``, WARNING and above also to stderr, none to stdout (vLLM's default stream)."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"vllm_file": {"format": VLLM_LOG_FORMAT}},
+        "handlers": {
+            "vllm_file": {"class": "logging.FileHandler", "filename": str(log_file), "mode": "a",
+                          "formatter": "vllm_file", "level": level},
+            "vllm_terminal": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr",
+                              "formatter": "vllm_file", "level": "WARNING"},
+        },
+        "loggers": {"vllm": {"handlers": ["vllm_file", "vllm_terminal"], "level": level, "propagate": False}},
+    }
+
+
+class _DemoLogSink:
+    """structlog's logger in the demo's process: every line to the log file, warnings and
+    errors to the terminal too."""
+
+    def __init__(self, file, terminal) -> None:
+        self._file, self._terminal = file, terminal
+
+    def _to_file(self, message: str) -> None:
+        print(message, file=self._file, flush=True)
+
+    def _to_both(self, message: str) -> None:
+        self._to_file(message)
+        print(message, file=self._terminal, flush=True)
+
+    msg = debug = info = _to_file
+    warning = warn = error = err = critical = fatal = exception = _to_both
+
+
+def configure_demo_logging(state_dir: Path) -> Path:
+    """Route the demo process's logs to ``<state_dir>/logs/demo.log`` (see ``DEMO_LOG``); return it.
+
+    vLLM configures its logging when an engine starts, in this process and again in the engine's
+    child processes, from ``VLLM_LOGGING_CONFIG_PATH``: the config is written beside the log and
+    named there (children inherit the environment), and applied here at once for records logged
+    before an engine starts. A VLLM_LOGGING_CONFIG_PATH or VLLM_CONFIGURE_LOGGING=0 of the caller's
+    own is left as it is."""
+    import structlog
+
+    from shared.logging import configure_logging
+
+    logs = state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_file = logs / DEMO_LOG
+    if not os.environ.get("VLLM_LOGGING_CONFIG_PATH") and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+        config = vllm_logging_config(log_file, os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+        config_path = logs / "demo-vllm-logging.json"
+        config_path.write_text(json.dumps(config, indent=1))
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_path)
+        SERVICE_ENV["VLLM_LOGGING_CONFIG_PATH"] = ""
+        logging.config.dictConfig(config)
+    configure_logging("demo")  # structlog's JSON lines, bound to service=demo ...
+    sink = _DemoLogSink(open(log_file, "a", buffering=1), sys.stderr)  # open for the process's life
+    structlog.configure(logger_factory=lambda *_: sink)  # ... to the file (warnings to the terminal too)
+    # and the other libraries' standard-library loggers likewise: INFO to the file, not to stderr.
+    terminal = logging.StreamHandler(sys.stderr)
+    terminal.setLevel(logging.WARNING)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, force=True,
+                        handlers=[logging.FileHandler(log_file), terminal])
+    return log_file
 
 
 def _phase(name: str, t0: float) -> None:
@@ -98,7 +182,7 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
         if done % 20 == 0 or done == total:
             console.print(f"  evaluated {done}/{total} problems")
 
-    tools = LocalCluster(state_dir, None, services=("tool-executor",), name="cluster-tools")
+    tools = LocalCluster(state_dir, None, services=("tool-executor",), name="cluster-tools", env=dict(SERVICE_ENV))
     rest: LocalCluster | None = None
     run_id: str | None = None
     try:
@@ -110,7 +194,8 @@ async def _evaluate_train_evaluate(cfg, model: Path, eval_problems: list, state_
 
         _phase("4/7 reward, learner, rollout, orchestrator", t0)
         run_id = await create_run(sessions, cfg)
-        rest = cluster_for_run(state_dir, cfg, run_id, services=tuple(n for n in SERVICE_ORDER if n != "tool-executor"))
+        rest = cluster_for_run(state_dir, cfg, run_id, services=tuple(n for n in SERVICE_ORDER if n != "tool-executor"),
+                               env=dict(SERVICE_ENV))
         rest.start()
         await asyncio.to_thread(rest.wait_ready, 600)
 
@@ -197,7 +282,9 @@ def main() -> None:
 
     t0 = time.monotonic()
     state_dir = demo_state_dir()
+    log_file = configure_demo_logging(state_dir)
     _phase("1/7 embedded stack", t0)
+    console.print(f"demo log (vLLM, in-process services): {log_file}")
     info = stack.up(state_dir)
     console.print(f"kafka {info.kafka_bootstrap}; database {info.database_url}")
     os.environ.setdefault("RSTAR_KAFKA_BOOTSTRAP", info.kafka_bootstrap)
