@@ -54,8 +54,8 @@ EVAL_PANEL = "pass_rate_mean"
 # Smoothing: an exponential moving average whose span is this fraction of the run's steps
 # (alpha = 2 / (span + 1)), so a 40-step demo run averages over ~4 steps (alpha 0.4) and a
 # 1000-step run over ~100 (alpha ~0.02): the curve's shape at any run length, not a fixed
-# window that flattens a short run or leaves a long one noisy. Below 20 steps the span is
-# under 2 and the "smoothed" line is near the raw one.
+# window that flattens a short run or leaves a long one noisy. At 10 steps or fewer the span is
+# 1 step (alpha 1): the "smoothed" line is the raw one.
 SMOOTHING_SPAN_FRACTION = 0.1
 
 
