@@ -10,6 +10,9 @@
 6. stop the training services and evaluate the last policy version the same way;
 7. write the report (PNG + HTML) and print the before/after figures; the last line is one
    JSON object with ``pass1_before``, ``pass1_after``, ``steps`` and ``report``.
+
+The terminal gets the phases, progress and warnings; vLLM's INFO lines and the other logs of the
+demo's own process go to ``<state_dir>/logs/demo.log`` (:func:`configure_demo_logging`).
 """
 
 from __future__ import annotations
