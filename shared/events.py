@@ -46,6 +46,9 @@ class SamplingParams(_Model):
     max_turns: int = Field(10, gt=0)
 
 
+TaskPurpose = Literal["train", "probe"]
+
+
 class RolloutTask(_Model):
     task_id: str
     run_id: str
@@ -60,6 +63,9 @@ class RolloutTask(_Model):
     attempt: int = Field(1, ge=1, description="1 on first dispatch, +1 on each re-dispatch")
     prompt_preset: str | None = Field(None, description="the run's conversation preset (shared/formats/presets.py); "
                                                          "None: the rollout's own setting")
+    purpose: TaskPurpose = Field("train", description="train: scored, down-sampled and trained on; probe: the "
+                                                      "current policy's pass rate on the problem (stage-3 entry), "
+                                                      "recorded and never trained on")
 
 
 # --------------------------------------------------------------------------- trajectories
@@ -105,6 +111,7 @@ class TrajectoryGroup(_Model):
     trajectories: list[Trajectory] = Field(min_length=1)
     attempt: int = Field(1, ge=1)
     rollout_instance: str = ""
+    purpose: TaskPurpose = Field("train", description="the task's purpose, passed through (RolloutTask.purpose)")
 
     @property
     def policy_version_range(self) -> tuple[int, int]:

@@ -33,10 +33,19 @@ Curriculum
     and is trained at step ``⌊live/B⌋`` (up to groups dropped on the way). So with η > 0 the
     first tasks of a stage are sent up to η steps before the learner reaches it, with that
     stage's settings, and the learner's stage-3 optimizer reset falls on the first step whose
-    groups are stage-3 groups. Entering a stage that feeds only hard problems filters the
-    problem set: a problem is dropped when its most recent scored group solved it every time,
-    over at least ``solved_min_attempts`` attempts (the paper: "solved 8/8"); unseen problems
-    stay.
+    groups are stage-3 groups.
+
+Hard-only stages (the paper's stage 3: "problems the current policy solves 8/8 are dropped")
+    When the first task of a hard-only stage is due, the stage is not entered yet: it is
+    *probed*. Each candidate problem (every training problem, or a seeded sample of
+    ``max_problems``) is sent once as a ``probe`` task of ``samples`` (k) rollouts with the
+    stage's budgets, under the policy version of that moment; probe tasks are leased and
+    re-dispatched like any task but do not count in admission and are never trained on (the
+    reward records their verdicts only). No task of the stage is admitted while the probe
+    runs. It ends when every candidate's probe is back or after ``timeout_s``; then the
+    problems solved k/k (all k rollouts that count correct) are dropped, the rest — including
+    any whose probe did not come back — feed the stage. A probe that dropped every candidate
+    keeps them all (nothing is "hard"; training goes on).
 
 Learner presence
     Admission and re-dispatch go on only while a learner can train the run: a learner instance
@@ -68,13 +77,6 @@ class Lease:
     task_id: str
     deadline: datetime
     attempts: int
-
-
-@dataclass(frozen=True)
-class ProblemStats:
-    problem_id: str
-    last_attempts: int
-    last_successes: int
 
 
 def admission_budget(p: Progress, *, batch_groups: int, max_staleness: int, total_steps: int | None = None) -> int:
@@ -154,10 +156,47 @@ def learner_present(beats: Sequence[LearnerBeat], run_id: str, now: datetime, *,
     return any(b.last_heartbeat >= horizon and b.run_id in ("", run_id) for b in beats)
 
 
-def hard_problems(stats: Sequence[ProblemStats], all_ids: Sequence[str], *, min_attempts: int) -> list[str]:
-    """Problem ids kept for a hard-only stage: all but those solved every time, in order."""
-    solved = {s.problem_id for s in stats if s.last_attempts >= min_attempts and s.last_successes == s.last_attempts}
-    return [pid for pid in all_ids if pid not in solved]
+def probe_candidates(problem_ids: Sequence[str], *, max_problems: int, seed: int) -> list[str]:
+    """The problems a hard-only stage probes: all (max_problems 0), or a seeded sample, in order."""
+    if max_problems <= 0 or max_problems >= len(problem_ids):
+        return list(problem_ids)
+    chosen = set(random.Random(f"probe:{seed}").sample(range(len(problem_ids)), max_problems))
+    return [pid for i, pid in enumerate(problem_ids) if i in chosen]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    problem_id: str
+    n: int  # rollouts that count (tool_failure ones left out)
+    n_correct: int
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    kept: list[str]  # feed the stage, in candidate order
+    solved: list[str]  # solved k/k: dropped
+    missing: int  # candidates whose probe never came back (kept)
+    all_solved: bool  # every probed candidate was solved: all kept instead
+
+
+def probe_finished(candidates: Sequence[str], settled: set[str], *, started: datetime, now: datetime,
+                   timeout_s: float) -> bool:
+    """Whether a probe is over: every candidate settled (its result back, or its probe task given
+    up), or the timeout passed."""
+    return all(pid in settled for pid in candidates) or now >= started + timedelta(seconds=timeout_s)
+
+
+def probe_outcome(candidates: Sequence[str], results: Sequence[ProbeResult], *, samples: int) -> ProbeOutcome:
+    """Which candidates a hard-only stage trains on (see "Hard-only stages")."""
+    by_id = {r.problem_id: r for r in results}
+    solved = [pid for pid in candidates
+              if (r := by_id.get(pid)) is not None and r.n >= samples and r.n_correct == r.n]
+    dropped = set(solved)
+    kept = [pid for pid in candidates if pid not in dropped]
+    missing = sum(1 for pid in candidates if pid not in by_id)
+    if not kept:
+        return ProbeOutcome(list(candidates), solved, missing, True)
+    return ProbeOutcome(kept, solved, missing, False)
 
 
 def problem_at(index: int, problem_ids: Sequence[str], seed: int) -> str:

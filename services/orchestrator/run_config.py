@@ -16,7 +16,8 @@ Example::
     stages:
       - {stage: 1, steps: 10, max_tokens: 8192, max_turns: 10}
       - {stage: 2, steps: 10, max_tokens: 12288, max_turns: 10}
-      - {stage: 3, steps: 10, max_tokens: 12288, max_turns: 15}   # hard problems only
+      - {stage: 3, steps: 10, max_tokens: 12288, max_turns: 15,   # hard problems only: the policy
+         probe: {samples: 8}}                                      # samples each 8 times at entry
 
 The same file also feeds the services' settings (``service_settings``), so the reward keeps G,
 the learner steps on B groups and drops beyond η, exactly as the orchestrator admits.
@@ -85,12 +86,33 @@ class SamplingConfig(_Strict):
         return self
 
 
+class ProbeConfig(_Strict):
+    """The entry probe of a hard-only stage (services/orchestrator/control.py, "Hard-only
+    stages"): the current policy samples each candidate problem ``samples`` times, with the
+    stage's token and turn budgets; problems solved every time are dropped."""
+
+    samples: int = Field(8, ge=1, le=64, description="k: rollouts per problem (the paper: 8, \"solved 8/8\")")
+    max_problems: int = Field(0, ge=0, description="probe a seeded sample of this many candidates and feed the stage "
+                                                   "from it (0: every problem, as the paper)")
+    timeout_s: float = Field(3600.0, gt=0, description="longest wait for the probe; problems whose probe has not "
+                                                       "come back by then are kept (not known to be solved)")
+
+
 class StageConfig(_Strict):
     stage: int = Field(ge=1, le=3)
     steps: int = Field(gt=0, description="learner steps spent in this stage")
     max_tokens: int = Field(gt=0, description="token budget of a whole trajectory")
     max_turns: int = Field(gt=0)
     hard_only: bool | None = Field(None, description="feed only problems the policy does not solve every time (default: stage 3)")
+    probe: ProbeConfig | None = Field(None, description="hard-only stages: the entry probe (default: ProbeConfig())")
+
+    @model_validator(mode="after")
+    def _probe_for_hard_only(self) -> "StageConfig":
+        if self.probe is not None and not self.only_hard:
+            raise ValueError(f"stage {self.stage}: probe applies to a hard-only stage (set hard_only: true)")
+        if self.only_hard and self.probe is None:
+            self.probe = ProbeConfig()
+        return self
 
     @property
     def only_hard(self) -> bool:
@@ -114,7 +136,6 @@ class RunConfig(_Strict):
     stages: list[StageConfig] = Field(min_length=1)
     task_timeout_s: float = Field(600.0, gt=0, description="lease: a task not scored by then is re-dispatched")
     max_task_attempts: int = Field(3, ge=1, description="dispatches of one task before it is given up")
-    solved_min_attempts: int = Field(8, ge=1, description="stage 3 drops problems solved in all of >= this many recent attempts")
     services: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="further settings per service for this run, e.g. {learner: {torch_threads: 1}}; "

@@ -85,20 +85,21 @@ async def run_progress(session, run_id: str) -> tuple[control.Progress, dict]:
         select(func.coalesce(func.max(PolicyVersion.version), 0)).where(PolicyVersion.run_id == run_id))).scalar_one()
     steps_done = (await session.execute(
         select(func.count(LearnerStep.step)).where(LearnerStep.run_id == run_id))).scalar_one()
-    dispatched = (await session.execute(
-        select(func.count()).select_from(RolloutTaskRow).where(RolloutTaskRow.run_id == run_id))).scalar_one()
+    # Training tasks only: probes (stage-3 entry) are outside admission.
+    train = (RolloutTaskRow.run_id == run_id) & (RolloutTaskRow.purpose == "train")
+    dispatched = (await session.execute(select(func.count()).select_from(RolloutTaskRow).where(train))).scalar_one()
     given_up = (await session.execute(select(func.count()).select_from(RolloutTaskRow).where(
-        RolloutTaskRow.run_id == run_id, RolloutTaskRow.status == "failed"))).scalar_one()
+        train, RolloutTaskRow.status == "failed"))).scalar_one()
     # A group is dropped when the reward does not publish it (no signal) or the learner gives
     # it up (stale, no signal, past the last step: ``learner_skipped``, recorded at once).
     skipped = (TrajectoryGroupRow.learner_skipped.is_not(None)) & (TrajectoryGroupRow.status != "dropped")
     # Groups lost to tool failures (status redispatch) are neither scored nor dropped: their task
-    # is still live (rolled out again, or given up and counted as such).
+    # is still live (rolled out again, or given up and counted as such). Probe groups train nothing.
     groups = (await session.execute(select(
         func.count(), func.count().filter(TrajectoryGroupRow.status == "dropped"),
         func.count().filter(skipped & (TrajectoryGroupRow.learner_skipped == "stale")),
         func.count().filter(skipped), func.avg(TrajectoryGroupRow.pass_rate),
-    ).where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.status != "redispatch"))).one()
+    ).where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.status.not_in(("redispatch", "probe"))))).one()
     lost = (await session.execute(select(
         func.count().filter(TrajectoryGroupRow.status == "redispatch"),
         func.coalesce(func.sum(TrajectoryGroupRow.n_tool_failure), 0),
@@ -281,8 +282,9 @@ class OrchestratorService(Service):
             return
         stage_steps = [s.steps for s in cfg.stages]
         live = progress.dispatched - progress.dropped
-        new_rows = []
-        stage_rows: dict[int, Stage] = {}
+        new_rows: list[RolloutTaskRow] = []
+        probe_rows: list[RolloutTaskRow] = []
+        stage_rows: dict[int, Stage | None] = {}
         async with self.ctx.sessions() as session:
             for j in range(budget):
                 index = progress.dispatched + j
@@ -290,8 +292,10 @@ class OrchestratorService(Service):
                 stage_cfg = cfg.stages[stage_index]
                 if stage_index not in stage_rows:
                     stage_rows[stage_index] = await self._enter_stage(
-                        session, run_id, cfg, stage_index, index, progress.version, now)
+                        session, run_id, cfg, stage_index, index, progress.version, now, probe_rows)
                 stage_row = stage_rows[stage_index]
+                if stage_row is None:
+                    break  # the stage's entry probe runs: none of its tasks before it is over
                 stage_ids = stage_row.config.get("problem_ids") or await self._problem_ids(run_id)
                 first = int(stage_row.config.get("first_task_index", 0))
                 pid = control.problem_at(index - first, stage_ids, cfg.seed * 1000 + stage_cfg.stage)
@@ -301,41 +305,92 @@ class OrchestratorService(Service):
                     min_policy_version=progress.version, lease_owner=None))
             session.add_all(new_rows)
             await session.commit()
-            events = await self._task_events(session, run_id, cfg, new_rows)
+            events = await self._task_events(session, run_id, cfg, new_rows + probe_rows)
         for task in events:
             await self.ctx.producer.send(self.ctx.topic(topics.ROLLOUT_TASKS), task, key=task.problem_id)
-            TASKS_SENT.labels("new").inc()
+            TASKS_SENT.labels("new" if task.purpose == "train" else "probe").inc()
 
     async def _enter_stage(self, session, run_id: str, cfg: RunConfig, index: int, first_task_index: int,
-                           version: int, now: datetime) -> Stage:
-        """The Stage row of stage ``index``, created (with its problem list) when its first task
-        (the run's ``first_task_index``-th) is admitted."""
+                           version: int, now: datetime, probe_rows: list[RolloutTaskRow]) -> Stage | None:
+        """The Stage row of stage ``index``, created when its first task (the run's
+        ``first_task_index``-th) is due. A hard-only stage is probed first (control, "Hard-only
+        stages"): while its probe runs this returns None; the probe's task rows are added to the
+        session and to ``probe_rows`` (for the caller to publish after the commit)."""
         stage_cfg = cfg.stages[index]
         row = (await session.execute(select(Stage).where(Stage.run_id == run_id, Stage.stage == stage_cfg.stage))).scalar_one_or_none()
-        if row is not None:
+        if row is not None and row.status != "probing":
             return row
-        await session.execute(update(Stage).where(Stage.run_id == run_id, Stage.status == "running").values(
-            status="done", ended_at=now))
         config: dict = {"first_task_index": first_task_index, **stage_cfg.model_dump()}
         if stage_cfg.only_hard:
-            all_ids = await self._problem_ids(run_id)
-            stats = (await session.execute(select(Problem.problem_id, Problem.last_attempts, Problem.last_successes)
-                                           .where(Problem.run_id == run_id))).all()
-            kept = control.hard_problems([control.ProblemStats(*s) for s in stats], all_ids,
-                                         min_attempts=cfg.solved_min_attempts)
-            if not kept:
-                kept = all_ids  # every problem is solved: nothing is "hard"; keep training on all
+            assert stage_cfg.probe is not None  # StageConfig gives hard-only stages one
+            if row is None:
+                await self._start_probe(session, run_id, cfg, index, version, now, probe_rows)
+                return None
+            outcome = await self._probe_outcome(session, run_id, stage_cfg, row, now)
+            if outcome is None:
+                return None
+            config.update(problem_ids=outcome.kept, dropped_solved=len(outcome.solved),
+                          probe={**row.config["probe"], "missing": outcome.missing, "all_solved": outcome.all_solved})
+            if outcome.all_solved:
                 self.ctx.log.warning("stage_hard_filter_empty", run_id=run_id, stage=stage_cfg.stage)
-            config["problem_ids"] = kept
-            config["dropped_solved"] = len(all_ids) - len(kept)
-        row = Stage(run_id=run_id, stage=stage_cfg.stage, status="running", started_at=now,
-                    start_version=version, config=config)
-        session.add(row)
+        await session.execute(update(Stage).where(Stage.run_id == run_id, Stage.status == "running").values(
+            status="done", ended_at=now))
+        if row is None:
+            row = Stage(run_id=run_id, stage=stage_cfg.stage)
+            session.add(row)
+        row.status, row.started_at, row.start_version, row.config = "running", now, version, config
         await session.flush()
         self.ctx.log.info("stage_entered", run_id=run_id, stage=stage_cfg.stage, version=version,
                           problems=len(config.get("problem_ids", [])) or None,
                           dropped_solved=config.get("dropped_solved"))
         return row
+
+    async def _start_probe(self, session, run_id: str, cfg: RunConfig, index: int, version: int, now: datetime,
+                           probe_rows: list[RolloutTaskRow]) -> None:
+        stage_cfg = cfg.stages[index]
+        probe = stage_cfg.probe
+        assert probe is not None
+        candidates = control.probe_candidates(await self._problem_ids(run_id), max_problems=probe.max_problems,
+                                              seed=cfg.seed * 1000 + stage_cfg.stage)
+        deadline = control.new_deadline(now, cfg.task_timeout_s)
+        rows = [RolloutTaskRow(task_id=new_id(), run_id=run_id, stage=stage_cfg.stage, problem_id=pid, status="leased",
+                               deadline=deadline, attempts=1, min_policy_version=version, lease_owner=None,
+                               purpose="probe") for pid in candidates]
+        session.add_all(rows)
+        probe_rows.extend(rows)
+        # "probing": the stage row exists but the stage is not entered (no task of it admitted)
+        session.add(Stage(run_id=run_id, stage=stage_cfg.stage, status="probing", start_version=version, config={
+            "candidates": candidates,
+            "probe": {"samples": probe.samples, "candidates": len(candidates), "version": version,
+                      "started_at": now.isoformat()}}))
+        await session.flush()
+        self.ctx.log.info("stage_probe_started", run_id=run_id, stage=stage_cfg.stage, version=version,
+                          problems=len(candidates), samples=probe.samples)
+
+    async def _probe_outcome(self, session, run_id: str, stage_cfg, row: Stage, now: datetime
+                             ) -> control.ProbeOutcome | None:
+        """The probe's outcome once it is over (control.probe_finished), else None."""
+        probe = stage_cfg.probe
+        probe_tasks = (RolloutTaskRow.run_id == run_id) & (RolloutTaskRow.purpose == "probe") & (
+            RolloutTaskRow.stage == stage_cfg.stage)
+        results = [control.ProbeResult(pid, n, k) for pid, n, k in (await session.execute(
+            select(RolloutTaskRow.problem_id, TrajectoryGroupRow.n_total, TrajectoryGroupRow.n_correct)
+            .join(TrajectoryGroupRow, (TrajectoryGroupRow.run_id == RolloutTaskRow.run_id)
+                  & (TrajectoryGroupRow.group_id == RolloutTaskRow.task_id))
+            .where(probe_tasks, TrajectoryGroupRow.status == "probe"))).all()]
+        given_up = {pid for (pid,) in (await session.execute(
+            select(RolloutTaskRow.problem_id).where(probe_tasks, RolloutTaskRow.status == "failed"))).all()}
+        candidates = row.config["candidates"]
+        started = datetime.fromisoformat(row.config["probe"]["started_at"])
+        settled = {r.problem_id for r in results} | given_up
+        if not control.probe_finished(candidates, settled, started=started, now=now, timeout_s=probe.timeout_s):
+            return None
+        outcome = control.probe_outcome(candidates, results, samples=probe.samples)
+        log = self.ctx.log.warning if outcome.missing else self.ctx.log.info
+        log("stage_probe_finished", run_id=run_id, stage=stage_cfg.stage, problems=len(candidates),
+            solved=len(outcome.solved), kept=len(outcome.kept), missing=outcome.missing,
+            seconds=round((now - started).total_seconds(), 1))
+        return outcome
 
     async def _task_events(self, session, run_id: str, cfg: RunConfig, rows: list[RolloutTaskRow]) -> list[RolloutTask]:
         """RolloutTask events for task rows (their problems read in one query)."""
@@ -345,13 +400,18 @@ class OrchestratorService(Service):
             select(Problem.problem_id, Problem.prompt, Problem.answer).where(
                 Problem.run_id == run_id, Problem.problem_id.in_({r.problem_id for r in rows})))).all()}
         stages = {s.stage: s for s in cfg.stages}
+
+        def n_samples(row: RolloutTaskRow) -> int:
+            probe = stages[row.stage].probe
+            return probe.samples if row.purpose == "probe" and probe is not None else cfg.n_samples
+
         return [RolloutTask(
             task_id=row.task_id, run_id=run_id, stage=row.stage, problem_id=row.problem_id,
-            prompt=problems[row.problem_id].prompt, answer=problems[row.problem_id].answer, n_samples=cfg.n_samples,
+            prompt=problems[row.problem_id].prompt, answer=problems[row.problem_id].answer, n_samples=n_samples(row),
             sampling=SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                     max_tokens=stages[row.stage].max_tokens, max_turns=stages[row.stage].max_turns),
             min_policy_version=row.min_policy_version, deadline=row.deadline, attempt=row.attempts,
-            prompt_preset=cfg.format.preset) for row in rows]
+            prompt_preset=cfg.format.preset, purpose=row.purpose) for row in rows]
 
     # ------------------------------------------------------------------ HTTP
     def router(self) -> APIRouter:

@@ -10,14 +10,16 @@ Exactly-once effect on top of at-least-once delivery (the broker has no transact
      from the verdicts and RoC parameters stored in the row (the selection is seeded by the group
      id; stored verdicts make it independent of a check that timed out once) and publish it
      again with the same event id, then mark ``published``;
+   * status ``probe`` → a redelivered probe group (a stage-3 entry probe, recorded only): skip;
    * status ``redispatch`` → this attempt or an older one lost too many rollouts to
      ``tool_failure``: skip; a later attempt (the orchestrator's re-dispatch) is scored afresh
      and its row replaces the recorded one.
 2. Otherwise check the answers, run RoC, then in ONE transaction insert the row (status
    ``scored``; ``dropped`` for an all-equal group when dropping is on or a group RoC keeps
    nothing of; ``redispatch`` for one that lost too many rollouts to ``tool_failure``,
-   :mod:`services.reward.roc` 4.) and add the group's attempts/successes to ``problems``
-   (not for ``redispatch``). If the insert finds a row (a concurrent replica won the race),
+   :mod:`services.reward.roc` 4.; ``probe`` for a probe task's group, which is never published)
+   and add the group's attempts/successes to ``problems``
+   (not for ``redispatch`` and ``probe``). If the insert finds a row (a concurrent replica won the race),
    continue as in 1.
 3. Publish the ScoredGroup (key group_id, event id derived from run and group id), then mark
    the row ``published``; only then does the consumer loop commit the offset.
@@ -66,7 +68,8 @@ log = get_logger("reward")
 GROUPS = Counter(
     "rstar_reward_groups_total",
     "Trajectory groups by outcome: published, republished (after a crash), dropped_all_equal, dropped_too_small "
-    "(deterministic mode, fewer than G rollouts), redispatch (too many tool_failure rollouts), duplicate, dead_letter",
+    "(deterministic mode, fewer than G rollouts), redispatch (too many tool_failure rollouts), probe (a stage-3 "
+    "entry probe, recorded only), duplicate, dead_letter",
     ["outcome"],
 )
 TOOL_FAILURES = Counter(
@@ -93,11 +96,11 @@ def scored_event_id(run_id: str, group_id: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, f"rstar:scored:{run_id}:{group_id}").hex
 
 
-def _observe(scored: ScoredGroup, *, redispatch: bool = False) -> None:
+def _observe(scored: ScoredGroup, *, trained: bool = True) -> None:
     if scored.roc.n_tool_failure:
         TOOL_FAILURES.inc(scored.roc.n_tool_failure)
-    if redispatch:
-        return  # not trained: its pass rate and RoC figures describe an outage, not the policy
+    if not trained:
+        return  # a probe, or a group lost to an outage: its figures are not the training stream's
     PASS_RATE.observe(scored.pass_rate)
     if scored.all_equal:
         ALL_EQUAL.inc()
@@ -166,16 +169,23 @@ class GroupProcessor:
             self.out_topic, scored, key=scored.group_id, event_id=scored_event_id(scored.run_id, scored.group_id)
         )
 
-    def _dropped(self, scored: ScoredGroup) -> bool:
-        """Not published: no kept rollout (a deterministic-mode group smaller than G) or, when
-        dropping is on, all kept rewards equal (no gradient either way)."""
-        return not scored.selected or (scored.all_equal and self.drop_all_equal)
+    def _status(self, group: TrajectoryGroup, result: ScoringResult, scored: ScoredGroup) -> str:
+        """The row status this scoring gives (store.ROW_STATUSES); only ``scored`` is published.
+        ``dropped``: no kept rollout (a deterministic-mode group smaller than G) or, when dropping
+        is on, all kept rewards equal (no gradient either way)."""
+        if result.redispatch:
+            return "redispatch"
+        if group.purpose == "probe":
+            return "probe"
+        if not scored.selected or (scored.all_equal and self.drop_all_equal):
+            return "dropped"
+        return "scored"
 
     @staticmethod
-    def _outcome(scored: ScoredGroup, *, redispatch: bool) -> str:
-        if redispatch:
-            return "redispatch"
-        return "dropped_all_equal" if scored.selected else "dropped_too_small"
+    def _unpublished_outcome(status: str, scored: ScoredGroup) -> str:
+        if status == "dropped":
+            return "dropped_all_equal" if scored.selected else "dropped_too_small"
+        return status  # redispatch | probe
 
     async def process(self, group: TrajectoryGroup, coords: KafkaCoordinates) -> Processed:
         """Handle one group; returns its outcome (a GROUPS label) and the ScoredGroup it
@@ -187,21 +197,21 @@ class GroupProcessor:
                 return await self._resume(group, existing, run_id, coords)
         result = await self._score(group)
         scored = self._for_run(result.scored, run_id)
-        _observe(scored, redispatch=result.redispatch)
-        dropped = self._dropped(scored)
+        status = self._status(group, result, scored)
+        _observe(scored, trained=status == "scored" or status == "dropped")
         if self.sessions is not None:
             audit = result.audit(self.roc, self.answer_source)
-            inserted = await record_scored(self.sessions, group, scored, audit=audit, coords=coords, dropped=dropped,
-                                           redispatch=result.redispatch, run_id=run_id)
+            inserted = await record_scored(self.sessions, group, scored, audit=audit, coords=coords, status=status,
+                                           run_id=run_id)
             if not inserted:  # another replica recorded it between our read and our insert
                 existing = await load_group(self.sessions, run_id, group.group_id)
                 if existing is None:
                     raise RuntimeError(f"group {group.group_id}: insert conflicted but no row is there")
                 return await self._resume(group, existing, run_id, coords)
-        if result.redispatch:
+        if status == "redispatch":
             _warn_redispatch(group, scored)
-        if result.redispatch or dropped:
-            return Processed(self._outcome(scored, redispatch=result.redispatch), scored)
+        if status != "scored":
+            return Processed(self._unpublished_outcome(status, scored), scored)
         await self._publish(scored)
         if self.sessions is not None:
             await mark_published(self.sessions, run_id, group.group_id)
@@ -211,7 +221,7 @@ class GroupProcessor:
         self, group: TrajectoryGroup, existing: GroupRecord, run_id: str, coords: KafkaCoordinates
     ) -> Processed:
         assert self.sessions is not None
-        if existing.status in ("published", "dropped"):
+        if existing.status in ("published", "dropped", "probe"):
             return Processed("duplicate", None)
         if existing.status == "redispatch" and group.attempt <= existing.attempt:
             return Processed("duplicate", None)  # that attempt (or an older one) was already judged
@@ -221,21 +231,19 @@ class GroupProcessor:
             # group whose trajectories are not at hand: this attempt takes its place.
             result = await self._score(group)
             scored = self._for_run(result.scored, run_id)
-            if result.redispatch and existing.status == "scored":
+            status = self._status(group, result, scored)
+            if status == "redispatch" and existing.status == "scored":
                 # the recorded attempt is good and its message is redelivered until it is published
                 return Processed("duplicate", None)
-            dropped = self._dropped(scored)
             replaced = await replace_unpublished(
-                self.sessions, run_id, group, scored, result.audit(self.roc, self.answer_source), coords,
-                dropped=dropped, redispatch=result.redispatch,
-            )
+                self.sessions, run_id, group, scored, result.audit(self.roc, self.answer_source), coords, status=status)
             if not replaced:
                 return Processed("duplicate", None)
-            _observe(scored, redispatch=result.redispatch)
-            if result.redispatch:
+            _observe(scored, trained=status == "scored" or status == "dropped")
+            if status == "redispatch":
                 _warn_redispatch(group, scored)
-            if result.redispatch or dropped:
-                return Processed(self._outcome(scored, redispatch=result.redispatch), scored)
+            if status != "scored":
+                return Processed(self._unpublished_outcome(status, scored), scored)
         scored = self._for_run(scored, run_id)
         await self._publish(scored)
         await mark_published(self.sessions, run_id, group.group_id)

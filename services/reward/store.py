@@ -4,7 +4,8 @@ and the per-run ``problems`` counters, written in ONE transaction so a group is 
 Status of a row: ``scored`` (recorded, not yet confirmed published), ``published`` (the
 ScoredGroup reached the broker), ``dropped`` (no kept rollout carries a gradient: never
 published), ``redispatch`` (too many rollouts ended ``tool_failure``: never published, not
-counted in ``problems``; the orchestrator rolls the task out again as attempt + 1). See :mod:`services.reward.runtime` for how redeliveries use it.
+counted in ``problems``; the orchestrator rolls the task out again as attempt + 1), ``probe``
+(a stage-3 entry probe's verdicts: never published, not counted in ``problems``). See :mod:`services.reward.runtime` for how redeliveries use it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ async def load_group(sessions: async_sessionmaker[AsyncSession], run_id: str, gr
     return GroupRecord(row.status, row.roc_mode, dict(row.roc_stats or {}), row.attempt)
 
 
-def _status(*, dropped: bool, redispatch: bool) -> str:
-    return "redispatch" if redispatch else "dropped" if dropped else "scored"
+# Row statuses whose group counts in ``problems`` (a redispatch row's attempt was lost; a probe
+# measures the policy and trains nothing).
+COUNTED_STATUSES = ("scored", "dropped")
+ROW_STATUSES = ("scored", "dropped", "redispatch", "probe")
 
 
 async def _count_problem(session: AsyncSession, run_id: str, group: TrajectoryGroup, scored: ScoredGroup) -> None:
@@ -93,12 +96,12 @@ async def record_scored(
     *,
     audit: dict[str, Any],
     coords: KafkaCoordinates,
-    dropped: bool,
-    redispatch: bool = False,
+    status: str,
     run_id: str | None = None,
 ) -> bool:
-    """Insert the group's row and add its attempts/successes to ``problems``, atomically (a
-    ``redispatch`` row counts nothing: the attempt that replaces it will).
+    """Insert the group's row with ``status`` (``scored``, ``dropped``, ``redispatch`` or
+    ``probe``) and add its attempts/successes to ``problems``, atomically (only for
+    :data:`COUNTED_STATUSES`: the attempt that replaces a redispatch row counts instead).
 
     Returns False (and changes nothing) when a row for (run_id, group_id) already exists — a
     concurrent replica or an earlier delivery recorded it first. ``run_id`` overrides the
@@ -117,10 +120,10 @@ async def record_scored(
         "pass_rate": scored.pass_rate,
         "n_selected": len(scored.selected),
         "all_equal": scored.all_equal,
-        "dropped": dropped,
+        "dropped": status == "dropped",
         "roc_mode": scored.roc_mode,
         "roc_stats": audit,
-        "status": _status(dropped=dropped, redispatch=redispatch),
+        "status": status,
         "attempt": group.attempt,
         "n_tool_failure": scored.roc.n_tool_failure,
         "kafka_topic": coords.topic,
@@ -138,7 +141,7 @@ async def record_scored(
         ).scalar_one_or_none()
         if inserted is None:
             return False
-        if not redispatch:
+        if status in COUNTED_STATUSES:
             await _count_problem(session, run, group, scored)
     return True
 
@@ -151,13 +154,12 @@ async def replace_unpublished(
     audit: dict[str, Any],
     coords: KafkaCoordinates,
     *,
-    dropped: bool,
-    redispatch: bool = False,
+    status: str,
 ) -> bool:
     """Another attempt of a recorded-but-unpublished group takes the recorded one's place (whose
-    trajectories are not at hand): its row follows. Problem counters are added only when the
-    recorded row is a ``redispatch`` one (which counted nothing) and this one is not; a
-    ``scored`` row was counted once for the group id. False (nothing changed) when the row was
+    trajectories are not at hand): its row follows, with ``status``. Problem counters are added
+    only when the recorded row counted nothing (``redispatch``) and this one counts; a ``scored``
+    row was counted once for the group id. False (nothing changed) when the row was
     published or dropped meanwhile by another replica."""
     async with sessions() as session, session.begin():
         previous = (
@@ -181,8 +183,8 @@ async def replace_unpublished(
                 n_selected=len(scored.selected),
                 all_equal=scored.all_equal,
                 roc_stats=audit,
-                dropped=dropped,
-                status=_status(dropped=dropped, redispatch=redispatch),
+                dropped=status == "dropped",
+                status=status,
                 attempt=group.attempt,
                 n_tool_failure=scored.roc.n_tool_failure,
                 kafka_topic=coords.topic,
@@ -190,7 +192,7 @@ async def replace_unpublished(
                 kafka_offset=coords.offset,
             )
         )
-        if previous == "redispatch" and not redispatch:
+        if previous not in COUNTED_STATUSES and status in COUNTED_STATUSES:
             await _count_problem(session, run_id, group, scored)
     return True
 

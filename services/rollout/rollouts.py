@@ -158,7 +158,7 @@ class RolloutRunner:
         return TrajectoryGroup(
             group_id=task.task_id, run_id=task.run_id, stage=task.stage, problem_id=task.problem_id,
             answer=task.answer, trajectories=list(trajectories), attempt=task.attempt,
-            rollout_instance=self.instance_id,
+            rollout_instance=self.instance_id, purpose=task.purpose,
         )
 
     async def run_one(self, task: RolloutTask, prompt: list[int], sample: int) -> Trajectory:

@@ -90,6 +90,9 @@ class RolloutTaskRow(Base):
     deadline: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     attempts: Mapped[int] = mapped_column(Integer, default=1)
     min_policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    # train: admitted under bounded staleness, trained on; probe: a stage-3 entry probe of the
+    # current policy (not counted in admission, never trained on)
+    purpose: Mapped[str] = mapped_column(String(16), default="train", server_default="train")
     created_at: Mapped[datetime] = _now()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
@@ -115,7 +118,7 @@ class TrajectoryGroupRow(Base):
     roc_mode: Mapped[str] = mapped_column(String(32))
     roc_stats: Mapped[dict] = mapped_column(JSONB, default=dict)
     # scored|published|dropped|redispatch (lost too many rollouts to tool_failure: not trained,
-    # the orchestrator rolls the task out again)
+    # the orchestrator rolls the task out again)|probe (a probe task's verdicts: never trained)
     status: Mapped[str] = mapped_column(String(32), default="scored")
     attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")  # the task attempt it came from
     n_tool_failure: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # rollouts left out

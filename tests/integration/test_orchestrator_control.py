@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 
 from services.orchestrator.config import Settings
 from services.orchestrator.run_config import RunConfig, RunConfigError, load_run_config
-from services.orchestrator.runtime import OrchestratorService, create_run, utcnow
+from services.orchestrator.runtime import OrchestratorService, create_run, run_progress, utcnow
 from shared import topics
 from shared.db.models import LearnerStep, PolicyVersion, Problem, RolloutTaskRow, Run, Stage, TrajectoryGroupRow
 from shared.db.session import session_factory, upsert
@@ -28,37 +28,51 @@ pytestmark = pytest.mark.integration
 
 
 class TaskReader:
+    """Reads the rollout task topic: training tasks into ``tasks``, probe tasks into ``probes``."""
+
     def __init__(self, bootstrap: str, topic_name: str):
         self.consumer = AIOKafkaConsumer(topic_name, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
         self.tasks: list[RolloutTask] = []
+        self.probes: list[RolloutTask] = []
 
-    async def read(self, n: int, timeout: float = 60.0) -> list[RolloutTask]:
+    async def _poll(self) -> None:
+        for recs in (await self.consumer.getmany(timeout_ms=200)).values():
+            for r in recs:
+                task = decode(r.value, RolloutTask).payload
+                (self.tasks if task.purpose == "train" else self.probes).append(task)
+
+    async def read(self, n: int, timeout: float = 60.0, *, probes: bool = False) -> list[RolloutTask]:
+        """Wait until ``n`` training tasks (or probe tasks) have arrived; return them all."""
+        out = self.probes if probes else self.tasks
+
         async def _go():
-            while len(self.tasks) < n:
-                for recs in (await self.consumer.getmany(timeout_ms=200)).values():
-                    self.tasks.extend(decode(r.value, RolloutTask).payload for r in recs)
+            while len(out) < n:
+                await self._poll()
         await asyncio.wait_for(_go(), timeout)
-        return self.tasks
+        return out
 
     async def quiet(self, seconds: float = 2.0) -> int:
-        """Read for a while; return how many tasks arrived."""
-        before = len(self.tasks)
+        """Read for a while; return how many tasks (of either purpose) arrived."""
+        before = len(self.tasks) + len(self.probes)
         end = asyncio.get_running_loop().time() + seconds
         while asyncio.get_running_loop().time() < end:
-            for recs in (await self.consumer.getmany(timeout_ms=200)).values():
-                self.tasks.extend(decode(r.value, RolloutTask).payload for r in recs)
-        return len(self.tasks) - before
+            await self._poll()
+        return len(self.tasks) + len(self.probes) - before
 
 
-async def _score(sessions, run_id: str, task_ids: list[str], *, dropped: bool = False, solved: dict | None = None):
-    """What the reward service writes for a scored group."""
+async def _score(sessions, run_id: str, task_ids: list[str], *, dropped: bool = False,
+                 probe_correct: dict[str, int] | None = None):
+    """What the reward service writes for a scored group (or, with ``probe_correct``, for a probe
+    group: problem id -> correct of 8)."""
     async with sessions() as s:
         for tid in task_ids:
             task = (await s.execute(select(RolloutTaskRow).where(RolloutTaskRow.task_id == tid))).scalar_one()
+            n_correct = 2 if probe_correct is None else probe_correct[task.problem_id]
+            status = "probe" if probe_correct is not None else "dropped" if dropped else "published"
             await s.execute(upsert(TrajectoryGroupRow, dict(
                 run_id=run_id, group_id=tid, stage=task.stage, problem_id=task.problem_id, min_version=0, max_version=0,
-                n_total=8, n_correct=8 if (solved or {}).get(task.problem_id) else 2, pass_rate=0.25, n_selected=4,
-                all_equal=dropped, roc_mode="roc", roc_stats={}, status="dropped" if dropped else "published",
+                n_total=8, n_correct=n_correct, pass_rate=n_correct / 8, n_selected=4,
+                all_equal=dropped, roc_mode="roc", roc_stats={}, status=status,
                 kafka_topic="t", kafka_partition=0, kafka_offset=0)))
         await s.commit()
 
@@ -111,9 +125,9 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
     (model / "config.json").write_text("{}")
     cfg = RunConfig(
         name="ctl", model=str(model), dataset={"kind": "generated", "n_train": 6, "n_eval": 2, "seed": 1},
-        group_size=4, n_samples=8, batch_groups=2, max_staleness=1, task_timeout_s=3600, solved_min_attempts=8,
+        group_size=4, n_samples=8, batch_groups=2, max_staleness=1, task_timeout_s=3600,
         stages=[{"stage": 1, "steps": 2, "max_tokens": 512, "max_turns": 3},
-                {"stage": 3, "steps": 1, "max_tokens": 768, "max_turns": 4}],
+                {"stage": 3, "steps": 1, "max_tokens": 768, "max_turns": 4, "probe": {"samples": 8}}],
     )
     settings = load_settings(Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
                              topic_prefix=topic_prefix, port=0, tick_s=0.2, learner_timeout_s=2.0)
@@ -142,34 +156,40 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
             assert (await s.execute(select(Run.status).where(Run.run_id == run_id))).scalar_one() == "running"
             assert len((await s.execute(select(Problem).where(Problem.run_id == run_id))).all()) == 6
 
-        # Problems solved 8/8 in their last group: the hard-only stage 3 will not feed them.
         async with sessions() as s:
             pids = [p for (p,) in (await s.execute(select(Problem.problem_id).where(Problem.run_id == run_id)))]
-            solved = pids[:2]
-            for pid in solved:
-                await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pid).values(
-                    last_attempts=8, last_successes=8))
-            await s.execute(update(Problem).where(Problem.run_id == run_id, Problem.problem_id == pids[2]).values(
-                last_attempts=8, last_successes=7))
-            await s.commit()
 
         # A dropped group (no signal) frees its place at once.
         await _score(sessions, run_id, [first[0].task_id], dropped=True)
         await reader.read(5)
         # Two groups trained -> version 1 -> budget (1+1+1)·2 = 6 live. The last two are trained
-        # at step 3, in stage 3: they are stage-3 tasks, sent before the learner gets there.
+        # at step 3, in stage 3: before any stage-3 task, the current policy probes every problem
+        # (8 rollouts each, stage-3 budgets, outside admission); no stage-3 task while it runs.
         await _score(sessions, run_id, [t.task_id for t in first[1:3]])
         await _learner_step(sessions, run_id, 1)
+        probes = await reader.read(6, probes=True)
+        assert sorted(t.problem_id for t in probes) == sorted(pids)
+        assert all(t.n_samples == 8 and t.stage == 3 and t.min_policy_version == 1 for t in probes)
+        assert probes[0].sampling.max_tokens == 768 and probes[0].sampling.max_turns == 4
+        assert await reader.quiet(1.5) == 0 and len(reader.tasks) == 5
+        # Solved 8/8 by the current policy: dropped; 7/8 and worse: kept.
+        solved = pids[:2]
+        correct = {pid: 8 if pid in solved else 7 if pid == pids[2] else 1 for pid in pids}
+        await _score(sessions, run_id, [t.task_id for t in probes], probe_correct=correct)
         tasks = await reader.read(7)
         assert tasks[-1].min_policy_version == 1
         assert [t.stage for t in tasks] == [1] * 5 + [3] * 2
+        async with sessions() as s:  # probes count neither as dispatched nor as scored groups
+            progress, figures = await run_progress(s, run_id)
+        assert progress.dispatched == 7 and figures["groups_scored"] == 3
 
         async def stage3_row():
             async with sessions() as s:
                 return (await s.execute(select(Stage).where(Stage.run_id == run_id, Stage.stage == 3))).scalar_one_or_none()
         st3 = await stage3_row()
         assert st3.config["dropped_solved"] == 2 and set(st3.config["problem_ids"]) == set(pids) - set(solved)
-        assert st3.config["first_task_index"] == 5 and st3.start_version == 1
+        assert st3.config["first_task_index"] == 5 and st3.start_version == 1 and st3.status == "running"
+        assert st3.config["probe"]["candidates"] == 6 and st3.config["probe"]["missing"] == 0
         assert all(t.problem_id not in solved for t in tasks[5:])
         assert tasks[5].sampling.max_turns == 4 and tasks[5].sampling.max_tokens == 768
 

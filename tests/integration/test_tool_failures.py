@@ -29,19 +29,20 @@ from test_reward_service import produce, read_topic, running_reward, settings_fo
 pytestmark = pytest.mark.integration
 
 
-def answer_task(task: RolloutTask, *, lost: set[int]) -> TrajectoryGroup:
-    """What a rollout instance sends back: n_samples trajectories, even ones correct, those in
-    ``lost`` cut short by an unreachable tool executor."""
+def answer_task(task: RolloutTask, *, lost: set[int] = frozenset(), n_correct: int | None = None) -> TrajectoryGroup:
+    """What a rollout instance sends back: n_samples trajectories, the even ones correct (or the
+    first ``n_correct``), those in ``lost`` cut short by an unreachable tool executor."""
     trajs = []
     for i in range(task.n_samples):
         t = sample_trajectory(16, seed=i, version=0)
+        right = i % 2 == 0 if n_correct is None else i < n_correct
         update = {"traj_id": f"{task.task_id}-a{task.attempt}-{i}",
-                  "response_text": f"<answer>\\boxed{{{task.answer if i % 2 == 0 else 'nope'}}}</answer>"}
+                  "response_text": f"<answer>\\boxed{{{task.answer if right else 'nope'}}}</answer>"}
         if i in lost:
             update["finish_reason"] = "tool_failure"
         trajs.append(t.model_copy(update=update))
     return TrajectoryGroup(group_id=task.task_id, run_id=task.run_id, stage=task.stage, problem_id=task.problem_id,
-                           answer=task.answer, trajectories=trajs, attempt=task.attempt)
+                           answer=task.answer, trajectories=trajs, attempt=task.attempt, purpose=task.purpose)
 
 
 async def test_a_group_lost_to_tool_failures_is_rolled_out_again_not_trained(stack, topic_prefix, tmp_path, db_engine):

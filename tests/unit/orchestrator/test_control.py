@@ -1,5 +1,5 @@
 """The orchestrator's pure control logic: admission keeps staleness within η, leases,
-stages, the stage-3 hard filter."""
+stages, the stage-3 entry probe."""
 
 from datetime import datetime, timedelta, timezone
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.orchestrator import control
-from services.orchestrator.control import Lease, Progress, ProblemStats
+from services.orchestrator.control import Lease, ProbeResult, Progress
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -104,16 +104,36 @@ def test_stage_position():
     assert not control.stage_position(8, steps).finished
 
 
-def test_hard_filter_drops_exactly_the_problems_solved_every_time():
-    stats = [
-        ProblemStats("solved8", 8, 8),    # solved 8/8 -> dropped
-        ProblemStats("solved32", 32, 32),  # solved 32/32 -> dropped
-        ProblemStats("almost", 8, 7),      # 7/8 -> kept
-        ProblemStats("few", 4, 4),         # too few attempts to call it solved -> kept
-        ProblemStats("never", 8, 0),
+def test_probe_drops_exactly_the_problems_solved_k_of_k():
+    results = [
+        ProbeResult("solved", 8, 8),      # 8/8 -> dropped
+        ProbeResult("almost", 8, 7),      # 7/8 -> kept
+        ProbeResult("short", 7, 7),       # 7/7: one rollout lost to a tool failure, not "8/8" -> kept
+        ProbeResult("never", 8, 0),
     ]
-    ids = ["never", "solved8", "unseen", "almost", "solved32", "few"]
-    assert control.hard_problems(stats, ids, min_attempts=8) == ["never", "unseen", "almost", "few"]
+    ids = ["never", "solved", "unprobed", "almost", "short"]
+    out = control.probe_outcome(ids, results, samples=8)
+    assert out.kept == ["never", "unprobed", "almost", "short"] and out.solved == ["solved"]
+    assert out.missing == 1 and not out.all_solved
+    everything = control.probe_outcome(["a", "b"], [ProbeResult("a", 8, 8), ProbeResult("b", 8, 8)], samples=8)
+    assert everything.kept == ["a", "b"] and everything.all_solved  # nothing is hard: keep training on all
+
+
+def test_probe_finishes_when_every_candidate_settled_or_at_the_timeout():
+    ids = ["a", "b", "c"]
+    assert not control.probe_finished(ids, {"a", "b"}, started=T0, now=T0 + timedelta(seconds=5), timeout_s=60)
+    assert control.probe_finished(ids, {"a", "b", "c"}, started=T0, now=T0, timeout_s=60)
+    assert control.probe_finished(ids, {"a"}, started=T0, now=T0 + timedelta(seconds=60), timeout_s=60)
+
+
+def test_probe_candidates_are_all_problems_or_a_seeded_sample_in_order():
+    ids = [f"p{i:02d}" for i in range(40)]
+    assert control.probe_candidates(ids, max_problems=0, seed=1) == ids
+    assert control.probe_candidates(ids, max_problems=99, seed=1) == ids
+    some = control.probe_candidates(ids, max_problems=10, seed=1)
+    assert len(some) == 10 and some == sorted(some) and set(some) <= set(ids)
+    assert some == control.probe_candidates(ids, max_problems=10, seed=1)
+    assert some != control.probe_candidates(ids, max_problems=10, seed=2)
 
 
 def test_problem_feed_is_a_deterministic_epoch_permutation():
