@@ -165,12 +165,15 @@ def eval_(
 
 
 @app.command()
-def demo() -> None:
+def demo(
+    from_scratch: bool = typer.Option(False, "--from-scratch", help="train the stage-0 model on this machine with the "
+                                      "bootstrap instead of starting from the committed checkpoint"),
+) -> None:
     """Run the main job on the embedded default and print a JSON summary on the last line."""
     from lab.demo import main
 
     sigterm_as_ctrl_c()
-    main()
+    main(from_scratch=from_scratch)
 
 
 @model_app.command("inspect")

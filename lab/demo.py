@@ -1,8 +1,9 @@
 """`make demo` / `rstar demo`: the main job on the embedded default, end to end.
 
 1. start the embedded stack (broker + PostgreSQL);
-2. bootstrap the tiny model by stage-0 SFT (cached under ``<state_dir>/models`` after the
-   first time);
+2. the tiny model after stage-0 SFT: the committed checkpoint (``lab/stage0.py``: the same
+   weights on every machine), or with ``--from-scratch`` the bootstrap's SFT on this machine
+   (cached under ``<state_dir>/models`` after the first time);
 3. start the tool-executor and evaluate the SFT model on held-out problems (pass@1 over k
    samples at T = 1, with tools);
 4. start the other services (`rstar up` machinery) configured from ``configs/demo.yaml``;
@@ -267,18 +268,30 @@ def demo_state_dir() -> Path:
     return Path(os.environ.get("RSTAR_STATE_DIR", DEFAULT_STATE_DIR)).resolve()
 
 
-def bootstrap_demo_model(state_dir: Path) -> Path:
-    """The demo's policy: the stage-0 SFT tiny model, trained once and cached under
-    ``<state_dir>/models`` (``bench/policy_update.py`` measures the same model)."""
+def demo_bootstrap_settings():
+    """The bootstrap recipe of the demo's model (its digest names the committed checkpoint)."""
+    from lab.bootstrap import BootstrapSettings
+
+    return BootstrapSettings(seed=0, steps=BOOTSTRAP_STEPS, min_lr_ratio=BOOTSTRAP_MIN_LR_RATIO)
+
+
+def bootstrap_demo_model(state_dir: Path, *, from_scratch: bool = False) -> Path:
+    """The demo's policy: the committed stage-0 checkpoint (lab/stage0.py), verified and copied
+    under ``<state_dir>/models``; with ``from_scratch``, the stage-0 SFT trained on this machine
+    by the bootstrap (once; then cached there). ``bench/policy_update.py`` measures the same model."""
+    from lab import stage0
     from lab.bootstrap import bootstrap_tiny_model
 
-    return bootstrap_tiny_model(state_dir / "models", steps=BOOTSTRAP_STEPS, seed=0,
-                                min_lr_ratio=BOOTSTRAP_MIN_LR_RATIO,
+    settings = demo_bootstrap_settings()
+    if not from_scratch:
+        return stage0.install(state_dir / "models", digest=settings.digest())
+    return bootstrap_tiny_model(state_dir / "models", steps=settings.steps, seed=settings.seed,
+                                min_lr_ratio=settings.min_lr_ratio,
                                 log=lambda r: console.print(f"  sft step {int(r['step'])} loss {r['loss']:.3f}")
                                 if int(r["step"]) % 25 == 0 else None)
 
 
-def main() -> None:
+def main(*, from_scratch: bool = False) -> None:
     from services.orchestrator.run_config import RunConfig
     from services.orchestrator.runtime import dataset_for
     from shared import stack
@@ -293,8 +306,11 @@ def main() -> None:
     os.environ.setdefault("RSTAR_KAFKA_BOOTSTRAP", info.kafka_bootstrap)
     os.environ.setdefault("RSTAR_DATABASE_URL", info.database_url)
 
-    _phase("2/7 tiny model (stage-0 SFT: trained the first time, then cached)", t0)
-    model = bootstrap_demo_model(state_dir)
+    if from_scratch:
+        _phase("2/7 tiny model: stage-0 SFT on this machine (trained the first time, then cached)", t0)
+    else:
+        _phase("2/7 tiny model: the committed stage-0 checkpoint (lab/checkpoints/tiny-sft)", t0)
+    model = bootstrap_demo_model(state_dir, from_scratch=from_scratch)
     console.print(f"model: {model}")
 
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
