@@ -6,7 +6,9 @@ the learner's heartbeats, which tell the orchestrator that someone trains the ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
@@ -23,6 +25,7 @@ from shared.db.session import session_factory, upsert
 from shared.events import RolloutTask, decode
 from shared.runtime import heartbeat_upsert, run_service
 from shared.settings import load_settings
+from shared.stack import _free_port
 
 pytestmark = pytest.mark.integration
 
@@ -111,6 +114,49 @@ class LearnerHeartbeat:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
+def fake_model_dir(tmp_path) -> str:
+    """A model directory as much as the run config checks (the orchestrator loads no weights)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return str(model)
+
+
+@dataclass
+class Orchestrated:
+    run_id: str
+    reader: TaskReader
+    learner: LearnerHeartbeat
+    service: OrchestratorService
+
+
+@contextlib.asynccontextmanager
+async def orchestrating(stack, topic_prefix: str, sessions, cfg: RunConfig, *, with_learner: bool = True,
+                        learner_timeout_s: float = 5.0):
+    """The orchestrator service on the test stack with ``cfg``'s run created, a reader of the tasks
+    it sends, and (``with_learner``) a learner's heartbeats for the run, all stopped afterwards."""
+    settings = load_settings(Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
+                             topic_prefix=topic_prefix, port=_free_port(), tick_s=0.2,
+                             learner_timeout_s=learner_timeout_s)
+    service = OrchestratorService(settings)
+    task = asyncio.create_task(run_service(service, settings, install_signals=False))
+    reader = TaskReader(stack.kafka_bootstrap, topic_prefix + topics.ROLLOUT_TASKS.name)
+    await reader.consumer.start()
+    learner = None
+    try:
+        run_id = await create_run(sessions, cfg)
+        learner = LearnerHeartbeat(sessions, run_id)
+        if with_learner:
+            learner.start()
+        yield Orchestrated(run_id, reader, learner, service)
+    finally:
+        if learner is not None:
+            await learner.stop()
+        await reader.consumer.stop()
+        service.request_stop()
+        await asyncio.wait_for(task, 30)
+
+
 async def _wait(cond, timeout=30.0):
     end = asyncio.get_running_loop().time() + timeout
     while not await cond():
@@ -120,31 +166,19 @@ async def _wait(cond, timeout=30.0):
 
 async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine, tmp_path):
     sessions = session_factory(db_engine)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
     cfg = RunConfig(
-        name="ctl", model=str(model), dataset={"kind": "generated", "n_train": 6, "n_eval": 2, "seed": 1},
+        name="ctl", model=fake_model_dir(tmp_path), dataset={"kind": "generated", "n_train": 6, "n_eval": 2, "seed": 1},
         group_size=4, n_samples=8, batch_groups=2, max_staleness=1, task_timeout_s=3600,
         stages=[{"stage": 1, "steps": 2, "max_tokens": 512, "max_turns": 3},
                 {"stage": 3, "steps": 1, "max_tokens": 768, "max_turns": 4, "probe": {"samples": 8}}],
     )
-    settings = load_settings(Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
-                             topic_prefix=topic_prefix, port=0, tick_s=0.2, learner_timeout_s=2.0)
-    settings.port = __import__("shared.stack", fromlist=["x"])._free_port()
-    svc = OrchestratorService(settings)
-    task = asyncio.create_task(run_service(svc, settings, install_signals=False))
-    reader = TaskReader(stack.kafka_bootstrap, topic_prefix + topics.ROLLOUT_TASKS.name)
-    await reader.consumer.start()
-    learner = None
-    try:
-        run_id = await create_run(sessions, cfg)
+    async with orchestrating(stack, topic_prefix, sessions, cfg, with_learner=False, learner_timeout_s=2.0) as o:
+        run_id, reader, learner = o.run_id, o.reader, o.learner
         # The run starts, but no learner trains it yet: nothing is rolled out for it.
         await reader.quiet(3.0)
         assert reader.tasks == []
         async with sessions() as s:
             assert (await s.execute(select(Run.status).where(Run.run_id == run_id))).scalar_one() == "running"
-        learner = LearnerHeartbeat(sessions, run_id)
         learner.start()
         # (η + v + 1)·B = (1 + 0 + 1)·2 = 4 tasks, and no more until the learner moves.
         first = await reader.read(4)
@@ -242,12 +276,6 @@ async def test_admission_leases_stages_and_finish(stack, topic_prefix, db_engine
         await _wait(finished)
         await reader.quiet(0.5)
         assert await reader.quiet(1.0) == 0
-    finally:
-        if learner is not None:
-            await learner.stop()
-        await reader.consumer.stop()
-        svc.request_stop()
-        await asyncio.wait_for(task, 30)
 
 
 def test_bad_run_configs_fail_clearly(tmp_path):
@@ -303,7 +331,7 @@ async def test_a_run_with_an_invalid_config_fails_without_stalling_the_others(st
         s.add(Run(run_id=f"bad-{topic_prefix}", name="bad", config={"stages": "nope"}, status="created"))
         await s.commit()
     settings = load_settings(Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url,
-                             topic_prefix=topic_prefix, port=__import__("shared.stack", fromlist=["x"])._free_port())
+                             topic_prefix=topic_prefix, port=_free_port())
     svc = OrchestratorService(settings)
     await svc.start(type("Ctx", (), {"sessions": sessions, "log": __import__("shared.logging", fromlist=["x"]).get_logger("t"),
                                      "producer": None})())

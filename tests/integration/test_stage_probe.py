@@ -5,22 +5,15 @@ and no probe group is ever published for training."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from sqlalchemy import select
 
-from services.orchestrator.config import Settings as OrchestratorSettings
 from services.orchestrator.run_config import RunConfig
-from services.orchestrator.runtime import OrchestratorService, create_run
 from shared import topics
 from shared.db.models import LearnerStep, PolicyVersion, Problem, Stage, TrajectoryGroupRow
 from shared.db.session import session_factory, upsert
 from shared.events import ScoredGroup, decode, encode
-from shared.runtime import run_service
-from shared.settings import load_settings
-from shared.stack import _free_port
-from test_orchestrator_control import LearnerHeartbeat, TaskReader
+from test_orchestrator_control import fake_model_dir, orchestrating
 from test_reward_service import produce, read_topic, running_reward, settings_for
 from test_tool_failures import answer_task
 
@@ -30,26 +23,14 @@ pytestmark = pytest.mark.integration
 async def test_stage_three_feeds_exactly_the_problems_the_current_policy_does_not_solve_8_of_8(
         stack, topic_prefix, tmp_path, db_engine):
     sessions = session_factory(db_engine)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    cfg = RunConfig(name="probe", model=str(model), dataset={"kind": "generated", "n_train": 6, "n_eval": 2, "seed": 5},
+    cfg = RunConfig(name="probe", model=fake_model_dir(tmp_path),
+                    dataset={"kind": "generated", "n_train": 6, "n_eval": 2, "seed": 5},
                     group_size=4, n_samples=8, batch_groups=1, max_staleness=0, task_timeout_s=3600,
                     stages=[{"stage": 1, "steps": 1, "max_tokens": 256, "max_turns": 2},
                             {"stage": 3, "steps": 2, "max_tokens": 384, "max_turns": 3, "probe": {"samples": 8}}])
-    orch_settings = load_settings(OrchestratorSettings, kafka_bootstrap=stack.kafka_bootstrap,
-                                  database_url=stack.database_url, topic_prefix=topic_prefix, port=_free_port(),
-                                  tick_s=0.2, learner_timeout_s=5.0)
-    orchestrator = OrchestratorService(orch_settings)
-    orch_task = asyncio.create_task(run_service(orchestrator, orch_settings, install_signals=False))
-    reader = TaskReader(stack.kafka_bootstrap, topic_prefix + topics.ROLLOUT_TASKS.name)
-    await reader.consumer.start()
     traj_topic = topic_prefix + topics.TRAJECTORIES.name
-    learner = None
-    try:
-        run_id = await create_run(sessions, cfg)
-        learner = LearnerHeartbeat(sessions, run_id)
-        learner.start()
+    async with orchestrating(stack, topic_prefix, sessions, cfg) as o:
+        run_id, reader = o.run_id, o.reader
         async with running_reward(settings_for(stack, topic_prefix, tmp_path / "reward")):
             (first,) = await reader.read(1)
             assert first.stage == 1
@@ -84,9 +65,3 @@ async def test_stage_three_feeds_exactly_the_problems_the_current_policy_does_no
         scored = [decode(r.value, ScoredGroup).payload for r in
                   await read_topic(stack.kafka_bootstrap, topic_prefix + topics.SCORED.name, expect=1)]
         assert [g.group_id for g in scored] == [first.task_id]
-    finally:
-        if learner is not None:
-            await learner.stop()
-        await reader.consumer.stop()
-        orchestrator.request_stop()
-        await asyncio.wait_for(orch_task, 30)

@@ -11,19 +11,15 @@ import asyncio
 import pytest
 from sqlalchemy import select
 
-from services.orchestrator.config import Settings as OrchestratorSettings
 from services.orchestrator.run_config import RunConfig
-from services.orchestrator.runtime import OrchestratorService, create_run, run_progress
+from services.orchestrator.runtime import run_progress
 from services.reward.runtime import GROUPS, TOOL_FAILURES
 from shared import topics
 from shared.db.models import Problem, RolloutTaskRow, TrajectoryGroupRow
 from shared.db.session import session_factory
 from shared.events import RolloutTask, ScoredGroup, TrajectoryGroup, decode, encode
-from shared.runtime import run_service
-from shared.settings import load_settings
-from shared.stack import _free_port
 from shared.testing import sample_trajectory
-from test_orchestrator_control import LearnerHeartbeat, TaskReader
+from test_orchestrator_control import fake_model_dir, orchestrating
 from test_reward_service import produce, read_topic, running_reward, settings_for, wait_for_row
 
 pytestmark = pytest.mark.integration
@@ -47,29 +43,17 @@ def answer_task(task: RolloutTask, *, lost: set[int] = frozenset(), n_correct: i
 
 async def test_a_group_lost_to_tool_failures_is_rolled_out_again_not_trained(stack, topic_prefix, tmp_path, db_engine):
     sessions = session_factory(db_engine)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    cfg = RunConfig(name="faults", model=str(model), dataset={"kind": "generated", "n_train": 4, "n_eval": 2, "seed": 3},
+    cfg = RunConfig(name="faults", model=fake_model_dir(tmp_path),
+                    dataset={"kind": "generated", "n_train": 4, "n_eval": 2, "seed": 3},
                     group_size=4, n_samples=8, batch_groups=2, max_staleness=0, task_timeout_s=3600,
                     stages=[{"stage": 1, "steps": 1, "max_tokens": 256, "max_turns": 2}])
-    orch_settings = load_settings(OrchestratorSettings, kafka_bootstrap=stack.kafka_bootstrap,
-                                  database_url=stack.database_url, topic_prefix=topic_prefix, port=_free_port(),
-                                  tick_s=0.2, learner_timeout_s=5.0)
     # G = 4 of 8: up to a quarter (2) may be lost
     reward_settings = settings_for(stack, topic_prefix, tmp_path / "reward")
-    orchestrator = OrchestratorService(orch_settings)
-    orch_task = asyncio.create_task(run_service(orchestrator, orch_settings, install_signals=False))
-    reader = TaskReader(stack.kafka_bootstrap, topic_prefix + topics.ROLLOUT_TASKS.name)
-    await reader.consumer.start()
     traj_topic = topic_prefix + topics.TRAJECTORIES.name
-    learner = None
     lost_before = TOOL_FAILURES._value.get()
     redispatch_before = GROUPS.labels("redispatch")._value.get()
-    try:
-        run_id = await create_run(sessions, cfg)
-        learner = LearnerHeartbeat(sessions, run_id)
-        learner.start()
+    async with orchestrating(stack, topic_prefix, sessions, cfg) as o:
+        run_id, reader = o.run_id, o.reader
         first = await reader.read(2)  # (η + v + 1)·B = 2 tasks
         hit, fine = first
         async with running_reward(reward_settings):
@@ -124,53 +108,28 @@ async def test_a_group_lost_to_tool_failures_is_rolled_out_again_not_trained(sta
         assert await done()
         assert progress.dispatched == 2 and progress.dropped == 0
         assert figures["rollouts_lost_to_tool_failure"] == 1 and figures["groups_lost_to_tool_failure"] == 0
-    finally:
-        if learner is not None:
-            await learner.stop()
-        await reader.consumer.stop()
-        orchestrator.request_stop()
-        await asyncio.wait_for(orch_task, 30)
 
 
 async def test_a_task_lost_on_its_last_attempt_is_given_up(stack, topic_prefix, tmp_path, db_engine):
     sessions = session_factory(db_engine)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    cfg = RunConfig(name="faults-last", model=str(model), dataset={"kind": "generated", "n_train": 4, "n_eval": 2},
+    cfg = RunConfig(name="faults-last", model=fake_model_dir(tmp_path), dataset={"kind": "generated", "n_train": 4,
+                                                                                 "n_eval": 2},
                     group_size=4, n_samples=8, batch_groups=1, max_staleness=0, task_timeout_s=3600,
                     max_task_attempts=1, stages=[{"stage": 1, "steps": 1, "max_tokens": 256, "max_turns": 2}])
-    orch_settings = load_settings(OrchestratorSettings, kafka_bootstrap=stack.kafka_bootstrap,
-                                  database_url=stack.database_url, topic_prefix=topic_prefix, port=_free_port(),
-                                  tick_s=0.2, learner_timeout_s=5.0)
-    orchestrator = OrchestratorService(orch_settings)
-    orch_task = asyncio.create_task(run_service(orchestrator, orch_settings, install_signals=False))
-    reader = TaskReader(stack.kafka_bootstrap, topic_prefix + topics.ROLLOUT_TASKS.name)
-    await reader.consumer.start()
-    learner = None
-    try:
-        run_id = await create_run(sessions, cfg)
-        learner = LearnerHeartbeat(sessions, run_id)
-        learner.start()
-        (task,) = await reader.read(1)
+    async with orchestrating(stack, topic_prefix, sessions, cfg) as o:
+        (task,) = await o.reader.read(1)
         async with running_reward(settings_for(stack, topic_prefix, tmp_path / "reward")):
             await produce(stack, topic_prefix + topics.TRAJECTORIES.name,
                           [(task.task_id, encode(answer_task(task, lost=set(range(8)))))])
-            await wait_for_row(sessions, run_id, task.task_id, "redispatch")
+            await wait_for_row(sessions, o.run_id, task.task_id, "redispatch")
             # one attempt allowed: given up, counted as dropped, and a new task takes its place
-            replacement = (await reader.read(2))[1]
+            replacement = (await o.reader.read(2))[1]
         assert replacement.task_id != task.task_id and replacement.attempt == 1
         async with sessions() as s:
             status = (await s.execute(select(RolloutTaskRow.status).where(
                 RolloutTaskRow.task_id == task.task_id))).scalar_one()
             group_status = (await s.execute(select(TrajectoryGroupRow.status).where(
                 TrajectoryGroupRow.group_id == task.task_id))).scalar_one()
-            progress, _ = await run_progress(s, run_id)
+            progress, _ = await run_progress(s, o.run_id)
         assert (status, group_status) == ("failed", "redispatch")
         assert progress.dropped == 1 and progress.dispatched == 2
-    finally:
-        if learner is not None:
-            await learner.stop()
-        await reader.consumer.stop()
-        orchestrator.request_stop()
-        await asyncio.wait_for(orch_task, 30)
