@@ -63,6 +63,10 @@ def make_group(run_id: str, answers=ANSWERS, *, group_id: str | None = None, ans
 
 
 def settings_for(stack, topic_prefix: str, tmp_path, **kw) -> Settings:
+    """Reward settings on the test stack. The consumer group is the test's own (its topic
+    prefix): the broker is shared by the whole session, and a group member an earlier test left
+    behind (a killed service) would hold every later join of a shared group for up to the
+    rebalance timeout."""
     return load_settings(
         Settings,
         kafka_bootstrap=stack.kafka_bootstrap,
@@ -73,7 +77,7 @@ def settings_for(stack, topic_prefix: str, tmp_path, **kw) -> Settings:
         group_size=4,
         check_workers=1,
         check_timeout_s=10.0,
-        **kw,
+        **{"consumer_group": f"reward-{topic_prefix.rstrip('.')}", **kw},
     )
 
 
@@ -82,7 +86,7 @@ async def running_reward(settings: Settings):
     service = RewardService(settings)
     task = asyncio.create_task(run_service(service, settings, install_signals=False))
     try:
-        for _ in range(400):
+        for _ in range(1200):  # the checker pool and the group join: seconds, more on a busy machine
             if service.loop is not None and service.loop.started.is_set():
                 break
             if task.done():
