@@ -182,10 +182,19 @@ class GroupProcessor:
         return "scored"
 
     @staticmethod
-    def _unpublished_outcome(status: str, scored: ScoredGroup) -> str:
+    def _recorded(group: TrajectoryGroup, scored: ScoredGroup, status: str) -> Processed | None:
+        """After a group's row is written with ``status``: its outcome when it is not published
+        (None: publish it)."""
+        _observe(scored, trained=status in ("scored", "dropped"))
+        if status == "scored":
+            return None
+        if status == "redispatch":
+            log.warning("group_lost_to_tool_failures", attempt=group.attempt, n_tool_failure=scored.roc.n_tool_failure,
+                        n=len(group.trajectories), hint="the tool executor failed these rollouts; the orchestrator "
+                        "rolls the task out again")
         if status == "dropped":
-            return "dropped_all_equal" if scored.selected else "dropped_too_small"
-        return status  # redispatch | probe
+            return Processed("dropped_all_equal" if scored.selected else "dropped_too_small", scored)
+        return Processed(status, scored)  # redispatch | probe
 
     async def process(self, group: TrajectoryGroup, coords: KafkaCoordinates) -> Processed:
         """Handle one group; returns its outcome (a GROUPS label) and the ScoredGroup it
@@ -198,7 +207,6 @@ class GroupProcessor:
         result = await self._score(group)
         scored = self._for_run(result.scored, run_id)
         status = self._status(group, result, scored)
-        _observe(scored, trained=status == "scored" or status == "dropped")
         if self.sessions is not None:
             audit = result.audit(self.roc, self.answer_source)
             inserted = await record_scored(self.sessions, group, scored, audit=audit, coords=coords, status=status,
@@ -208,10 +216,8 @@ class GroupProcessor:
                 if existing is None:
                     raise RuntimeError(f"group {group.group_id}: insert conflicted but no row is there")
                 return await self._resume(group, existing, run_id, coords)
-        if status == "redispatch":
-            _warn_redispatch(group, scored)
-        if status != "scored":
-            return Processed(self._unpublished_outcome(status, scored), scored)
+        if (unpublished := self._recorded(group, scored, status)) is not None:
+            return unpublished
         await self._publish(scored)
         if self.sessions is not None:
             await mark_published(self.sessions, run_id, group.group_id)
@@ -239,21 +245,12 @@ class GroupProcessor:
                 self.sessions, run_id, group, scored, result.audit(self.roc, self.answer_source), coords, status=status)
             if not replaced:
                 return Processed("duplicate", None)
-            _observe(scored, trained=status == "scored" or status == "dropped")
-            if status == "redispatch":
-                _warn_redispatch(group, scored)
-            if status != "scored":
-                return Processed(self._unpublished_outcome(status, scored), scored)
+            if (unpublished := self._recorded(group, scored, status)) is not None:
+                return unpublished
         scored = self._for_run(scored, run_id)
         await self._publish(scored)
         await mark_published(self.sessions, run_id, group.group_id)
         return Processed("republished", scored)
-
-
-def _warn_redispatch(group: TrajectoryGroup, scored: ScoredGroup) -> None:
-    log.warning("group_lost_to_tool_failures", attempt=group.attempt, n_tool_failure=scored.roc.n_tool_failure,
-                n=len(group.trajectories), hint="the tool executor failed these rollouts; the orchestrator rolls "
-                "the task out again")
 
 
 class RewardService(Service):
