@@ -102,6 +102,11 @@ def rlimits_for(limits: Limits, maxima: Maxima, base_address_space_bytes: int) -
     ]
 
 
+def cpu_limit_s(rlimits: list[tuple[int, int, int]]) -> float | None:
+    """The RLIMIT_CPU (seconds) among :func:`rlimits_for`'s triples."""
+    return next((float(soft) for res, soft, _ in rlimits if res == resource.RLIMIT_CPU), None)
+
+
 @dataclass(frozen=True)
 class Ending:
     """How a call's main process ended, as seen by its supervisor."""
@@ -113,13 +118,38 @@ class Ending:
     stderr_bytes: int
     output_hard_limit_bytes: int
     stderr_tail: str  # last few hundred characters of stderr, decoded
+    cpu_s: float | None = None  # user + system CPU seconds of the call's process (wait4), if known
+    cpu_limit_s: float | None = None  # its RLIMIT_CPU
+
+
+# How far below its RLIMIT_CPU a SIGKILLed call's measured CPU time may be and still count as the
+# kernel's RLIMIT_CPU kill: the kernel checks the limit on its scheduler tick against the exact
+# runtime, while wait4's rusage is accounted in ticks (4 ms at HZ = 250), so a small margin is
+# enough; an out-of-memory kill of a call that just happened to be this close to its CPU limit
+# is the only case it misreads.
+CPU_LIMIT_TOLERANCE_S = 0.25
+
+
+def hit_cpu_limit(ending: Ending) -> bool:
+    """A SIGKILL from the kernel's RLIMIT_CPU: soft == hard, so the kernel sends SIGKILL, not
+    SIGXCPU, when a call burns its CPU time (e.g. threads outside the GIL on several cores,
+    faster than the wall-clock deadline)."""
+    return (
+        ending.term_signal == signal.SIGKILL
+        and ending.cpu_s is not None
+        and ending.cpu_limit_s is not None
+        and ending.cpu_s >= ending.cpu_limit_s - CPU_LIMIT_TOLERANCE_S
+    )
 
 
 _MEMORY_ERROR_RE = re.compile(r"(^|\n)(MemoryError|numpy\.core\._exceptions\._ArrayMemoryError|numpy\._core\._exceptions\._ArrayMemoryError)\b[^\n]*\n?\s*$")
 
 
 def classify(ending: Ending) -> Status:
-    if ending.timed_out or ending.term_signal == signal.SIGXCPU:
+    """The call's status from how it ended: past its time (the supervisor's wall-clock kill or the
+    kernel's CPU-limit kill, whatever signals it ignored) is ``timeout``; ``memory`` is a
+    MemoryError or a SIGKILL that neither of them sent (the OOM killer)."""
+    if ending.timed_out or ending.term_signal == signal.SIGXCPU or hit_cpu_limit(ending):
         return Status.TIMEOUT
     if (
         ending.stdout_bytes >= ending.output_hard_limit_bytes

@@ -712,7 +712,7 @@ class Zygote:
         finally:
             os.setresuid(0, 0, 0)
 
-    def _finish(self, pid: int, wait_status: int) -> None:
+    def _finish(self, pid: int, wait_status: int, cpu_s: float | None = None) -> None:
         state = self.running.pop(pid)
         self.epoll.unregister(state["pidfd"])
         os.close(state["pidfd"])
@@ -751,6 +751,8 @@ class Zygote:
                 stderr_bytes=sizes[1],
                 output_hard_limit_bytes=self.maxima.output_hard_limit_bytes,
                 stderr_tail=stderr_tail,
+                cpu_s=cpu_s,
+                cpu_limit_s=policy.cpu_limit_s(spec.rlimits),
             )
         )
         stdout, out_trunc = policy.cap_output(outputs[0], self.max_output_chars)
@@ -791,13 +793,13 @@ class Zygote:
     def _reap(self) -> None:
         while True:
             try:
-                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+                pid, wait_status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
             if pid in self.running:
-                self._finish(pid, wait_status)
+                self._finish(pid, wait_status, usage.ru_utime + usage.ru_stime)
             # else: an orphan of some call, reparented to us (subreaper): reaped, nothing to do
 
     def _orphans(self) -> list[int]:

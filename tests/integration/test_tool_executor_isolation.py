@@ -84,6 +84,31 @@ def test_infinite_loop_times_out(http, server):
     assert_contained(http, server)
 
 
+# CPU burnt faster than the wall clock (threads outside the GIL) while ignoring every signal it
+# can: the kernel's RLIMIT_CPU ends it with SIGKILL before the supervisor's deadline, and that is
+# a timeout, not the out-of-memory end a SIGKILL otherwise means.
+CPU_BURN_IGNORING_SIGNALS = """
+import hashlib, signal, threading
+for s in (signal.SIGTERM, signal.SIGXCPU, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+def burn():
+    data = b"x" * (1 << 24)
+    while True:
+        hashlib.sha256(data).digest()  # releases the GIL: every thread burns a core
+for _ in range(7):
+    threading.Thread(target=burn, daemon=True).start()
+burn()
+"""
+
+
+@pytest.mark.parametrize("code", ["import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass",
+                                  CPU_BURN_IGNORING_SIGNALS], ids=["loop-ignoring-sigterm", "threads-burning-cpu"])
+def test_a_call_that_runs_past_its_time_is_a_timeout_whatever_it_ignores(http, server, code):
+    r = run(http, code, timeout_s=2)
+    assert r["status"] == "timeout", r
+    assert_contained(http, server)
+
+
 def test_fork_bomb_is_bounded_and_killed(http, server):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     r = run(http, code, timeout_s=2)

@@ -64,6 +64,12 @@ def ending(**kw):
         ({"exit_code": 1, "stderr_tail": "  File \"<cell>\", line 1\nMemoryError\n"}, Status.MEMORY),
         ({"exit_code": 1, "stderr_tail": "x\nnumpy._core._exceptions._ArrayMemoryError: Unable to allocate 8 GiB\n"}, Status.MEMORY),
         ({"exit_code": None, "term_signal": signal.SIGKILL}, Status.MEMORY),  # OOM killer
+        # The kernel's RLIMIT_CPU kill (soft == hard: SIGKILL, not SIGXCPU) of a call that burnt
+        # its CPU time before the wall-clock deadline: a timeout; a SIGKILL well below it: OOM.
+        ({"exit_code": None, "term_signal": signal.SIGKILL, "cpu_s": 3.0, "cpu_limit_s": 3.0}, Status.TIMEOUT),
+        ({"exit_code": None, "term_signal": signal.SIGKILL, "cpu_s": 2.9, "cpu_limit_s": 3.0}, Status.TIMEOUT),
+        ({"exit_code": None, "term_signal": signal.SIGKILL, "cpu_s": 1.2, "cpu_limit_s": 3.0}, Status.MEMORY),
+        ({"exit_code": None, "term_signal": signal.SIGKILL, "cpu_s": 3.0}, Status.MEMORY),  # limit unknown
         # A timed-out call that also filled its output is a timeout: the deadline came first.
         ({"exit_code": None, "term_signal": signal.SIGKILL, "timed_out": True, "stdout_bytes": 1000}, Status.TIMEOUT),
         # MemoryError mentioned in normal output is not a memory failure.
@@ -72,6 +78,12 @@ def ending(**kw):
 )
 def test_classify(kw, status):
     assert policy.classify(ending(**kw)) is status
+
+
+def test_the_cpu_limit_is_read_from_the_rlimits():
+    rlimits = policy.rlimits_for(policy.Limits(timeout_s=2.5, memory_mb=64), MAXIMA, 0)
+    assert policy.cpu_limit_s(rlimits) == 3 + policy.CPU_RLIMIT_SLACK_S  # ceil(2.5) + slack
+    assert policy.cpu_limit_s([]) is None
 
 
 def test_cap_output_keeps_short_text_and_replaces_bad_bytes():
