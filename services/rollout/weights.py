@@ -118,27 +118,49 @@ class WeightUpdater:
         self.serves_run = run_id
         self.run_id: str | None = run_id or None
         self.last_error: str | None = None
-        self._announced: WeightVersion | None = None
-        self._rejected: set[int] = set()
+        # Announcements not tried yet, and those rejected, by identity (version, uri, sha256) and
+        # not by number: a bogus announcement of version N (a missing checkpoint) must not hide
+        # the learner's real version N.
+        self._pending: dict[tuple[int, str, str], tuple[int, WeightVersion]] = {}
+        self._rejected: set[tuple[int, str, str]] = set()
+        self._announcements = 0
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._on_loaded = on_loaded
         POLICY_VERSION.set(version)
 
+    @staticmethod
+    def _identity(wv: WeightVersion) -> tuple[int, str, str]:
+        return (wv.version, wv.uri, wv.sha256)
+
     def announce(self, wv: WeightVersion) -> None:
-        """A version was published. Another run's, or older than what is served or announced: ignored."""
+        """A version was published. Another run's, not newer than what is served, or this very
+        announcement already rejected or pending: ignored."""
         if self.serves_run and wv.run_id != self.serves_run:
             WEIGHT_LOADS.labels("other_run").inc()
             return
-        if wv.version <= self.version or wv.version in self._rejected:
+        key = self._identity(wv)
+        if wv.version <= self.version or key in self._rejected or key in self._pending:
             WEIGHT_LOADS.labels("stale").inc()
             return
-        if self._announced is None or wv.version > self._announced.version:
-            self._announced = wv
-            self._wake.set()
+        self._announcements += 1
+        self._pending[key] = (self._announcements, wv)
+        self._wake.set()
+
+    def _next_candidate(self) -> WeightVersion | None:
+        """The newest pending announcement newer than what is served (of one version number,
+        the latest announced), taken off the pending set; older ones are forgotten."""
+        self._pending = {k: (n, w) for k, (n, w) in self._pending.items() if w.version > self.version}
+        if not self._pending:
+            return None
+        key, (_, wv) = max(self._pending.items(), key=lambda item: (item[1][1].version, item[1][0]))
+        del self._pending[key]
+        return wv
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """The loader: load the newest announced version whenever there is one."""
+        """The loader: load the newest announced version whenever there is one; when it is
+        rejected, the next candidate (another announcement of that number, or an older version
+        still newer than the served one)."""
         while not stopping.is_set():
             waiter = asyncio.ensure_future(self._wake.wait())
             stop = asyncio.ensure_future(stopping.wait())
@@ -146,8 +168,7 @@ class WeightUpdater:
             waiter.cancel()
             stop.cancel()
             self._wake.clear()
-            wv, self._announced = self._announced, None
-            if wv is not None and wv.version > self.version:
+            while not stopping.is_set() and (wv := self._next_candidate()) is not None:
                 await self.load(wv)
 
     async def load(self, wv: WeightVersion) -> bool:
@@ -156,7 +177,7 @@ class WeightUpdater:
         try:
             path = await asyncio.to_thread(validate_checkpoint, wv, self.reference)
         except WeightRejected as exc:
-            self._rejected.add(wv.version)
+            self._rejected.add(self._identity(wv))
             self.last_error = f"version {wv.version} rejected: {exc}"
             WEIGHT_LOADS.labels("rejected").inc()
             log.error("weights_rejected", version=wv.version, uri=wv.uri, error=str(exc), serving=self.version)
@@ -169,7 +190,7 @@ class WeightUpdater:
             except Exception as exc:  # noqa: BLE001 - the engine is reported and restarted below
                 failed.append((engine, exc))
         if failed:
-            self._rejected.add(wv.version)
+            self._rejected.add(self._identity(wv))
             self.last_error = f"version {wv.version} failed to load: {failed[0][1]}"
             WEIGHT_LOADS.labels("failed").inc()
             log.error("weights_load_failed", version=wv.version, error=str(failed[0][1]))

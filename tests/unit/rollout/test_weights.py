@@ -123,3 +123,37 @@ def test_updater_for_a_run_ignores_other_runs_versions(tmp_path):
         await loader
 
     asyncio.run(scenario())
+
+
+def test_a_rejected_bogus_announcement_does_not_hide_the_real_version_of_that_number(tmp_path):
+    async def scenario():
+        ref = tensor_index(make_ckpt(tmp_path / "v0"))
+        real = {v: make_ckpt(tmp_path / f"v{v}", seed=v) for v in (1, 2)}
+        engines = [FakeEngine(0)]
+        up = WeightUpdater(engines, ref, 0)
+        stop = asyncio.Event()
+        loader = asyncio.create_task(up.run(stop))
+        # v1 announced with a checkpoint that does not exist: rejected
+        up.announce(WeightVersion(run_id="r", version=1, step=1, stage=1, uri=uri_for(tmp_path / "missing"),
+                                  sha256="0" * 64))
+        for _ in range(100):
+            if up.last_error:
+                break
+            await asyncio.sleep(0.02)
+        assert "rejected" in up.last_error and up.version == 0
+        # the learner's real v1 is loaded, not ignored as stale
+        up.announce(wv(real[1], 1))
+        assert await up.wait_for(1, timeout_s=5) and engines[0].loads == [1]
+        # the same bogus announcement again changes nothing
+        up.announce(WeightVersion(run_id="r", version=1, step=1, stage=1, uri=uri_for(tmp_path / "missing"),
+                                  sha256="0" * 64))
+        # both announcements of v2 pending at once, the bogus one last: it is tried first, rejected,
+        # and the real one of that number is loaded after it
+        up.announce(wv(real[2], 2))
+        up.announce(WeightVersion(run_id="r", version=2, step=2, stage=1, uri=uri_for(tmp_path / "missing2"),
+                                  sha256="1" * 64))
+        assert await up.wait_for(2, timeout_s=5) and engines[0].loads == [1, 2]
+        stop.set()
+        await loader
+
+    asyncio.run(scenario())
