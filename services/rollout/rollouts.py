@@ -48,6 +48,11 @@ TOOL_LATENCY = Histogram("rstar_rollout_tool_latency_seconds", "Tool call wall t
                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 TURNS = Histogram("rstar_rollout_turns", "Generation turns per trajectory", buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20))
 FINISH = Counter("rstar_rollout_finished_total", "Trajectories by finish reason", ["reason"])
+TOOL_UNAVAILABLE = Counter("rstar_rollout_tool_executor_unavailable_total",
+                           "Tool calls the executor could not run at all (each ends its trajectory: tool_failure)")
+# An executor outage fails every call in flight: one warning per this many seconds, with the count
+# since the last one, says so without a line per call.
+OUTAGE_LOG_INTERVAL_S = 30.0
 ADMISSION_WAIT = Histogram("rstar_rollout_admission_wait_seconds", "Time a rollout waited for admission",
                            buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 RESPONSE_TOKENS = Histogram("rstar_rollout_response_tokens", "Response tokens per trajectory (model + tool)",
@@ -128,6 +133,8 @@ class RolloutRunner:
         self.max_model_len = max_model_len
         self.tool_timeout_s = tool_timeout_s
         self.instance_id = instance_id
+        self._unavailable_since_log = 0
+        self._last_outage_log = float("-inf")
 
     def format_for(self, task: RolloutTask) -> ConversationFormat:
         """The model's format with the task's preset (a run's own, else this service's)."""
@@ -200,6 +207,7 @@ class RolloutRunner:
             result = await self.tools.execute(call.code, stdin=call.stdin, timeout_s=self.tool_timeout_s)
         except ToolExecutorUnavailable as exc:
             outcome = unavailable_outcome(str(exc), (time.monotonic() - t0) * 1000)
+            self._note_outage(str(exc))
         except ToolExecutorRequestError as exc:
             # The service refused this code as a request (e.g. too long): the model's doing.
             outcome = ToolOutcome(ToolResult("error", stderr=f"ToolCallError: {exc}"), (time.monotonic() - t0) * 1000)
@@ -208,6 +216,18 @@ class RolloutRunner:
                                              timeout_s=self.tool_timeout_s)
         TOOL_LATENCY.labels(outcome.status if not outcome.fatal else "unavailable").observe(time.monotonic() - t0)
         return outcome
+
+    def _note_outage(self, error: str) -> None:
+        """Count a call the executor could not run; warn at most every OUTAGE_LOG_INTERVAL_S."""
+        TOOL_UNAVAILABLE.inc()
+        self._unavailable_since_log += 1
+        now = time.monotonic()
+        if now - self._last_outage_log >= OUTAGE_LOG_INTERVAL_S:
+            log.warning("tool_executor_unavailable", calls=self._unavailable_since_log, error=error[:500],
+                        hint="these trajectories end tool_failure: the reward leaves them out and re-dispatches "
+                        "groups that lost too many")
+            self._unavailable_since_log = 0
+            self._last_outage_log = now
 
 
 def publish_engine_stats(engines: Sequence[Any], scheduler: RolloutScheduler) -> None:

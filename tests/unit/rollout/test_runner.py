@@ -90,3 +90,28 @@ def test_a_task_carries_its_runs_preset_and_an_unknown_one_is_refused():
     assert group.trajectories[0].finish_reason == "eos"  # "done": no \boxed, the boxed preset's answer
     with pytest.raises(BadTask, match="unknown prompt preset 'fancy'"):
         r.prompt_ids(task(1).model_copy(update={"prompt_preset": "fancy"}))
+
+
+class DownTools:
+    async def execute(self, code, stdin=None, timeout_s=None):
+        from services.tool_executor.client import ToolExecutorUnavailable
+
+        raise ToolExecutorUnavailable("connection refused")
+
+
+def test_an_executor_outage_is_counted_and_warned_once_per_interval(capsys):
+    from services.rollout import rollouts
+    from services.rollout.agent import ToolRequest
+
+    r = RolloutRunner([FakeEngine()], AdmissionGate(RolloutScheduler({0: 100_000}, block_size=1)), FMT, DownTools(),
+                      max_model_len=4096, tool_timeout_s=1.0)
+    before = rollouts.TOOL_UNAVAILABLE._value.get()
+
+    async def calls():
+        return [await r.run_tool(ToolRequest("print(1)", "")) for _ in range(5)]
+
+    outcomes = asyncio.run(calls())
+    assert all(o.fatal for o in outcomes)  # each ends its trajectory as tool_failure
+    assert rollouts.TOOL_UNAVAILABLE._value.get() - before == 5
+    out = capsys.readouterr().out
+    assert out.count("tool_executor_unavailable") == 1 and "connection refused" in out
