@@ -22,6 +22,11 @@ A step is ``peek()``-ed, trained, checkpointed, and only then ``complete()``-d: 
 grows and the buffer empties only after the checkpoint exists, so a failed step can be
 retried with the same groups.
 
+Before any rule, :func:`defects` checks that a schema-valid group can be trained at all (token
+ids inside the model's vocabulary, finite log-probs and advantages, no token from a version the
+learner has not published); a group with defects is refused (the runtime dead-letters it alone)
+instead of failing every step of the batch it would join.
+
 Stage transitions: the step's stage is the highest stage of its groups; when it reaches 3 from
 a lower stage (the curriculum's hard-problem stage) the optimizer must be reset
 (:meth:`StepAssembler.needs_optimizer_reset`).
@@ -30,12 +35,36 @@ a lower stage (the curriculum's hard-problem stage) the optimizer must be reset
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from shared.events import ScoredGroup
 
 # Curriculum stage whose start resets the optimizer (rStar2-Agent, stage 3: hard problems only).
 OPTIMIZER_RESET_STAGE = 3
+
+
+def defects(group: ScoredGroup, *, vocab_size: int, version: int, limit: int = 5) -> list[str]:
+    """Why a (schema-valid) group cannot be trained: at most ``limit`` reasons, [] when none."""
+    out: list[str] = []
+    for st in group.selected:
+        t = st.trajectory
+        where = f"trajectory {t.traj_id}"
+        for name, ids in (("prompt", t.prompt_token_ids), ("response", t.response_token_ids)):
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            if bad:
+                out.append(f"{where}: {len(bad)} {name} token id(s) outside the vocabulary of {vocab_size} "
+                           f"(first {bad[0]})")
+        if not all(math.isfinite(x) for x in t.logprobs):
+            out.append(f"{where}: non-finite behaviour log-probs")
+        if not math.isfinite(st.advantage):
+            out.append(f"{where}: non-finite advantage {st.advantage}")
+        future = [v for v in t.token_versions if v > version]
+        if future:
+            out.append(f"{where}: tokens of policy version {max(future)}, newer than the learner's {version}")
+        if len(out) >= limit:
+            break
+    return out[:limit]
 
 
 class Decision(str, enum.Enum):

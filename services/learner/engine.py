@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.learner.assembly import Decision, GroupStats, StepAssembler, group_stats
+from services.learner.assembly import Decision, GroupStats, StepAssembler, defects, group_stats
 from services.learner.checkpoints import CheckpointStore, LearnerState
 from services.learner.commands import (
     CheckpointParts,
@@ -80,6 +80,11 @@ def pad_token_id(model_dir: Path) -> int:
         if isinstance(v, int):
             return v
     return 0
+
+
+class BadGroup(ValueError):
+    """A schema-valid group that cannot be trained (token ids outside the vocabulary, NaN
+    log-probs, versions from the future): it belongs in the dead-letter topic, alone."""
 
 
 # Finish reason of a response cut at its token budget (the one overlong filtering masks).
@@ -168,6 +173,8 @@ class LearnerEngine:
                  state: LearnerState, resumed: bool, dispatch: CommandDispatcher | None = None):
         self.cfg = cfg
         self.model = model
+        # Rows of the input embedding: a token id at or past it fails every step it is in.
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.trainer = trainer
         self.store = store
         self.state = state
@@ -224,6 +231,11 @@ class LearnerEngine:
 
     # ------------------------------------------------------------------ commands
     def offer(self, group: ScoredGroup) -> Decision:
+        """The assembler's decision on a group; raises BadGroup for one that cannot be trained
+        (assembly.defects), before it can join a batch."""
+        reasons = defects(group, vocab_size=self.vocab_size, version=self.version)
+        if reasons:
+            raise BadGroup(f"group {group.group_id}: " + "; ".join(reasons))
         return self.assembler.offer(group)
 
     def ready(self) -> bool:

@@ -44,13 +44,13 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exp
 
 from services.learner.assembly import Decision
 from services.learner.config import Settings
-from services.learner.engine import EngineConfig, LearnerEngine, StepOutcome
+from services.learner.engine import BadGroup, EngineConfig, LearnerEngine, StepOutcome
 from shared import topics
 from shared.checkpoint import uri_for
 from shared.db.models import LearnerStep, PolicyVersion, Run, TrajectoryGroupRow
 from shared.db.session import upsert
 from shared.events import Envelope, ScoredGroup, WeightVersion
-from shared.kafka import BACKOFF_MAX_S, ConsumerLoop
+from shared.kafka import BACKOFF_MAX_S, ConsumerLoop, PermanentError
 from shared.logging import get_logger
 from shared.runtime import RuntimeContext, Service
 
@@ -88,7 +88,8 @@ GAUGES = {name: Gauge(f"rstar_learner_{name}", desc) for name, desc in STEP_METR
 VERSION = Gauge("rstar_learner_version", "Current policy version")
 STEP = Gauge("rstar_learner_step", "Training steps done")
 BUFFERED = Gauge("rstar_learner_buffered_groups", "Scored groups waiting for the next step")
-GROUPS = Counter("rstar_learner_groups_total", "Scored groups by decision", ["decision"])
+GROUPS = Counter("rstar_learner_groups_total", "Scored groups by decision (and dead_letter: untrainable, "
+                 "assembly.defects)", ["decision"])
 OPTIMIZER_RESETS = Counter("rstar_learner_optimizer_resets_total", "Optimizer resets (curriculum stage 3)")
 SKIPPED_STEPS = Counter("rstar_learner_skipped_steps_total", "Steps given up because the gradient was not finite")
 STEP_SECONDS = Histogram("rstar_learner_step_seconds", "Wall time of a training step incl. checkpoint",
@@ -223,7 +224,12 @@ class LearnerService(Service):
         group: ScoredGroup = envelope.payload
         with bound_contextvars(run_id=group.run_id, group_id=group.group_id, event_id=envelope.event_id):
             await self._announce_pending()
-            decision = self.engine.offer(group)
+            try:
+                decision = self.engine.offer(group)
+            except BadGroup as exc:
+                # alone to the dead-letter topic; the batch it would have joined trains on
+                GROUPS.labels("dead_letter").inc()
+                raise PermanentError(str(exc)) from exc
             GROUPS.labels(decision.value).inc()
             BUFFERED.set(len(self.engine.assembler.buffer))
             self._pending.append((record, group.group_id))

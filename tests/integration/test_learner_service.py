@@ -171,3 +171,51 @@ async def test_scored_groups_in_weight_versions_out_and_restart_without_retraini
     finally:
         await producer.stop()
         await db.dispose()
+
+
+async def test_an_untrainable_group_is_dead_lettered_alone_and_training_goes_on(stack, topic_prefix, tiny_model_dir,
+                                                                                tmp_path):
+    """A schema-valid group with token ids outside the vocabulary used to fail every step it was
+    in, and every good group after it; now it goes to rstar.scored.dlq with its reason."""
+    run = "run-learner-poison"
+    settings = load_settings(
+        Settings, kafka_bootstrap=stack.kafka_bootstrap, database_url=stack.database_url, topic_prefix=topic_prefix,
+        port=stack_mod._free_port(), model_dir=tiny_model_dir, checkpoint_dir=tmp_path / "ckpt", run_id=run,
+        groups_per_step=2, max_staleness=1, lr=1e-3, warmup_steps=0, device="cpu", heartbeat_s=1.0,
+        consumer_group=f"learner-{topic_prefix.rstrip('.')}",
+    )
+    await ensure_topics(stack.kafka_bootstrap, topic_prefix)
+    producer = EventProducer(stack.kafka_bootstrap)
+    await producer.start()
+    scored_topic = settings.topic(topics.SCORED)
+    poison = _group("poison", 0, run_id=run)
+    st = poison.selected[0]
+    poison.selected[0] = st.model_copy(update={"trajectory": st.trajectory.model_copy(
+        update={"response_token_ids": [10**6] * len(st.trajectory.response_token_ids)})})
+    try:
+        svc = LearnerService(settings)
+        task = asyncio.create_task(run_service(svc, settings, install_signals=False))
+        for g in (poison, _group("ok-1", 0, run_id=run), _group("ok-2", 0, run_id=run)):
+            await producer.send(scored_topic, g, key="one-partition")
+        seen = await _weights(stack.kafka_bootstrap, settings.topic(topics.WEIGHTS), until_version=1)
+        assert max(w.version for w in seen if w.run_id == run) == 1
+        assert set(svc.engine.state.consumed) == {"ok-1", "ok-2"}
+        consumer = AIOKafkaConsumer(scored_topic + ".dlq", bootstrap_servers=stack.kafka_bootstrap,
+                                    auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            dead = []
+            for _ in range(50):
+                for recs in (await consumer.getmany(timeout_ms=200)).values():
+                    dead.extend(recs)
+                if dead:
+                    break
+        finally:
+            await consumer.stop()
+        assert len(dead) == 1
+        headers = {k: v.decode() for k, v in dead[0].headers}
+        assert "outside the vocabulary" in headers.get("error", "") and "poison" in headers["error"]
+        svc.request_stop()
+        await asyncio.wait_for(task, 60)
+    finally:
+        await producer.stop()

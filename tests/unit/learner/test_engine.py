@@ -179,3 +179,27 @@ def test_overlong_filter_changes_the_steps_loss_tokens(tmp_path):
         assert out.metrics["overlong_masked"] == (1 if on else 0)
     truncated = groups[0].selected[0].trajectory
     assert tokens[False] - tokens[True] == sum(truncated.loss_mask)
+
+
+def test_an_untrainable_group_is_refused_alone_and_the_step_goes_on(tmp_path):
+    from services.learner.engine import BadGroup
+
+    eng = LearnerEngine.open(_cfg(tmp_path))
+    good = [scored_group("g0"), scored_group("g1")]
+    oov = scored_group("bad-oov")
+    st = oov.selected[0]
+    ids = list(st.trajectory.response_token_ids)
+    ids[0] = eng.vocab_size + 5  # schema-valid, but past the embedding: IndexError in every step
+    oov = oov.model_copy(update={"selected": [st.model_copy(update={"trajectory": st.trajectory.model_copy(
+        update={"response_token_ids": ids})}), *oov.selected[1:]]})
+    nan = scored_group("bad-nan")
+    nan = nan.model_copy(update={"selected": [nan.selected[0].model_copy(update={"advantage": float("nan")}),
+                                              *nan.selected[1:]]})
+    future = scored_group("bad-future", version=3)
+    assert eng.offer(good[0]) is Decision.ACCEPTED
+    for bad, reason in ((oov, "outside the vocabulary"), (nan, "non-finite advantage"), (future, "newer than")):
+        with pytest.raises(BadGroup, match=reason):
+            eng.offer(bad)
+    assert [g.group_id for g in eng.assembler.buffer] == ["g0"]
+    assert eng.offer(good[1]) is Decision.ACCEPTED
+    assert eng.train_step().trained
