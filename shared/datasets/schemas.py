@@ -178,6 +178,11 @@ class _VerlLayout(RowSchema):
     answer_path = ""
     id_field = "extra_info.index"
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.required = (cls.problem_path, cls.answer_path)
+        cls.reads = (cls.problem_path, cls.answer_path, "extra_info.index", "data_source")
+
     def extract(self, row):
         prompt = problem_text(get_path(row, self.problem_path), self.problem_path)
         answer = answer_text(get_path(row, self.answer_path), self.answer_path)
@@ -188,16 +193,12 @@ class RStarSchema(_VerlLayout):
     name = "rstar"
     description = "rStar2-Agent preprocessed parquet: extra_info.question / extra_info.answer"
     problem_path, answer_path = "extra_info.question", "extra_info.answer"
-    required = (problem_path, answer_path)
-    reads = (problem_path, answer_path, "extra_info.index", "data_source")
 
 
 class VerlSchema(_VerlLayout):
     name = "verl"
     description = "verl RL parquet (DAPO-Math-17k, ...): prompt messages / reward_model.ground_truth"
     problem_path, answer_path = "prompt", "reward_model.ground_truth"
-    required = (problem_path, answer_path)
-    reads = (problem_path, answer_path, "extra_info.index", "data_source")
 
 
 class _Columns(RowSchema):
