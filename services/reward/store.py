@@ -57,6 +57,30 @@ COUNTED_STATUSES = ("scored", "dropped")
 ROW_STATUSES = ("scored", "dropped", "redispatch", "probe")
 
 
+def _attempt_columns(group: TrajectoryGroup, scored: ScoredGroup, audit: dict[str, Any], coords: KafkaCoordinates,
+                     status: str) -> dict[str, Any]:
+    """The columns of a group's row that describe the attempt recorded (all but the key, stage
+    and problem): written on insert, rewritten when another attempt takes the row's place."""
+    return {
+        "min_version": scored.min_policy_version,
+        "max_version": scored.max_policy_version,
+        "n_total": scored.n_total,
+        "n_correct": round(scored.pass_rate * scored.n_total),
+        "pass_rate": scored.pass_rate,
+        "n_selected": len(scored.selected),
+        "all_equal": scored.all_equal,
+        "dropped": status == "dropped",
+        "roc_mode": scored.roc_mode,
+        "roc_stats": audit,
+        "status": status,
+        "attempt": group.attempt,
+        "n_tool_failure": scored.roc.n_tool_failure,
+        "kafka_topic": coords.topic,
+        "kafka_partition": coords.partition,
+        "kafka_offset": coords.offset,
+    }
+
+
 async def _count_problem(session: AsyncSession, run_id: str, group: TrajectoryGroup, scored: ScoredGroup) -> None:
     """Add the group's attempts/successes (the rollouts that count) to its ``problems`` row."""
     n_total = scored.n_total
@@ -108,28 +132,8 @@ async def record_scored(
     group's run (replay into a new run).
     """
     run = run_id or group.run_id
-    row = {
-        "run_id": run,
-        "group_id": group.group_id,
-        "stage": group.stage,
-        "problem_id": group.problem_id,
-        "min_version": scored.min_policy_version,
-        "max_version": scored.max_policy_version,
-        "n_total": scored.n_total,
-        "n_correct": round(scored.pass_rate * scored.n_total),
-        "pass_rate": scored.pass_rate,
-        "n_selected": len(scored.selected),
-        "all_equal": scored.all_equal,
-        "dropped": status == "dropped",
-        "roc_mode": scored.roc_mode,
-        "roc_stats": audit,
-        "status": status,
-        "attempt": group.attempt,
-        "n_tool_failure": scored.roc.n_tool_failure,
-        "kafka_topic": coords.topic,
-        "kafka_partition": coords.partition,
-        "kafka_offset": coords.offset,
-    }
+    row = {"run_id": run, "group_id": group.group_id, "stage": group.stage, "problem_id": group.problem_id,
+           **_attempt_columns(group, scored, audit, coords, status)}
     async with sessions() as session, session.begin():
         inserted = (
             await session.execute(
@@ -174,23 +178,7 @@ async def replace_unpublished(
         await session.execute(
             update(TrajectoryGroupRow)
             .where(TrajectoryGroupRow.run_id == run_id, TrajectoryGroupRow.group_id == scored.group_id)
-            .values(
-                min_version=scored.min_policy_version,
-                max_version=scored.max_policy_version,
-                n_total=scored.n_total,
-                n_correct=round(scored.pass_rate * scored.n_total),
-                pass_rate=scored.pass_rate,
-                n_selected=len(scored.selected),
-                all_equal=scored.all_equal,
-                roc_stats=audit,
-                dropped=status == "dropped",
-                status=status,
-                attempt=group.attempt,
-                n_tool_failure=scored.roc.n_tool_failure,
-                kafka_topic=coords.topic,
-                kafka_partition=coords.partition,
-                kafka_offset=coords.offset,
-            )
+            .values(**_attempt_columns(group, scored, audit, coords, status))
         )
         if previous not in COUNTED_STATUSES and status in COUNTED_STATUSES:
             await _count_problem(session, run_id, group, scored)
